@@ -1,9 +1,17 @@
 """specdec-rt: speculative decoding on ONNX Runtime.
 
-The top-level package re-exports the runtime API only, so ``import specdec_rt`` never pulls in
+The top-level package re-exports the runtime API lazily, so ``import specdec_rt`` never pulls in
 torch: a deployment needs numpy, onnxruntime and tokenizers and nothing else.
 """
-from specdec_rt.runtime.generator import GenerationResult, Generator, load
+from __future__ import annotations
 
-__all__ = ["load", "Generator", "GenerationResult"]
 __version__ = "0.1.0"
+__all__ = ["load", "Generator", "GenerationResult", "GenerationStats"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from specdec_rt.runtime import generator
+
+        return getattr(generator, name)
+    raise AttributeError(f"module 'specdec_rt' has no attribute {name!r}")

@@ -1,0 +1,365 @@
+"""Architecture description: one canonical form for every supported Hugging Face family.
+
+The graph builder never looks at a Hugging Face module. Each family's extractor reads the loaded
+PyTorch model once and returns an :class:`ArchSpec` (shapes and switches) plus canonical weights
+(``[in, out]`` matrices ready for ``MatMul``). Adding a family means writing one extractor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "gpt_neox")
+
+
+class UnsupportedArchitectureError(ValueError):
+    """The checkpoint's ``model_type`` has no extractor."""
+
+
+@dataclass
+class LayerWeights:
+    """Weights of one decoder layer in MatMul layout (``x @ w``)."""
+
+    ln1_w: np.ndarray
+    ln1_b: np.ndarray | None
+    q_w: np.ndarray
+    k_w: np.ndarray
+    v_w: np.ndarray
+    q_b: np.ndarray | None
+    k_b: np.ndarray | None
+    v_b: np.ndarray | None
+    o_w: np.ndarray
+    o_b: np.ndarray | None
+    ln2_w: np.ndarray
+    ln2_b: np.ndarray | None
+    # gated MLP: up_w and gate_w; plain MLP: up_w only (fc_in)
+    up_w: np.ndarray
+    up_b: np.ndarray | None
+    down_w: np.ndarray
+    down_b: np.ndarray | None
+    gate_w: np.ndarray | None = None
+    gate_b: np.ndarray | None = None
+    q_norm_w: np.ndarray | None = None
+    k_norm_w: np.ndarray | None = None
+
+
+@dataclass
+class ArchSpec:
+    """Shapes and switches that decide the graph's structure."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    norm: str  # "rms" | "layer"
+    norm_eps: float
+    activation: str  # "silu" | "gelu" | "gelu_tanh" | "relu"
+    gated_mlp: bool
+    positions: str  # "rope" | "learned"
+    rotary_dim: int = 0
+    parallel_residual: bool = False
+    embedding_scale: float | None = None
+    attention_scale: float | None = None  # None -> 1/sqrt(head_dim)
+    max_positions: int = 2048
+    sliding_window: int | None = None
+    tie_word_embeddings: bool = False
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+
+@dataclass
+class ModelWeights:
+    embed: np.ndarray  # [V, hidden]
+    lm_head: np.ndarray  # [hidden, V]
+    lm_head_b: np.ndarray | None
+    final_norm_w: np.ndarray
+    final_norm_b: np.ndarray | None
+    layers: list[LayerWeights]
+    positions: np.ndarray | None = None  # learned position table [max, hidden]
+    rope_cos: np.ndarray | None = None  # [max, rotary_dim/2]
+    rope_sin: np.ndarray | None = None
+
+
+def _np(t) -> np.ndarray | None:
+    if t is None:
+        return None
+    return t.detach().to("cpu").float().numpy().copy()
+
+
+def _lin(linear) -> tuple[np.ndarray, np.ndarray | None]:
+    """nn.Linear weight [out, in] -> MatMul layout [in, out]."""
+    return _np(linear.weight).T.copy(), _np(getattr(linear, "bias", None))
+
+
+def _rope_tables(model, rotary_dim: int, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin tables from the model's own rotary module, so every rope scaling type is honoured."""
+    import torch
+
+    rotary = None
+    for name, module in model.named_modules():
+        if name.endswith("rotary_emb") and hasattr(module, "inv_freq"):
+            rotary = module
+            break
+    if rotary is None:
+        raise UnsupportedArchitectureError("could not find the model's rotary embedding module")
+    positions = torch.arange(max_positions, dtype=torch.int64)[None, :]
+    dummy = torch.zeros(1, dtype=torch.float32)
+    with torch.no_grad():
+        cos, sin = rotary(dummy, positions)
+    cos = cos[0].float().numpy()
+    sin = sin[0].float().numpy()
+    half = rotary_dim // 2
+    if cos.shape[-1] != rotary_dim:
+        raise UnsupportedArchitectureError(
+            f"rotary table width {cos.shape[-1]} does not match rotary dim {rotary_dim}"
+        )
+    return cos[:, :half].copy(), sin[:, :half].copy()
+
+
+def _special_tokens(config) -> tuple[list[int], int | None, int | None]:
+    eos = getattr(config, "eos_token_id", None)
+    gen = getattr(config, "generation_config", None)
+    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    return eos_ids, getattr(config, "bos_token_id", None), getattr(config, "pad_token_id", None)
+
+
+def _act_name(hf_act: str) -> str:
+    table = {
+        "silu": "silu",
+        "swish": "silu",
+        "gelu": "gelu",
+        "gelu_new": "gelu_tanh",
+        "gelu_pytorch_tanh": "gelu_tanh",
+        "gelu_fast": "gelu_tanh",
+        "relu": "relu",
+    }
+    if hf_act not in table:
+        raise UnsupportedArchitectureError(f"activation '{hf_act}' is not supported")
+    return table[hf_act]
+
+
+# ---------------------------------------------------------------------------------------------
+# Llama-like families (Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3)
+# ---------------------------------------------------------------------------------------------
+
+
+def _llama_like(model, family: str, max_positions: int) -> tuple[ArchSpec, ModelWeights]:
+    cfg = model.config
+    inner = model.model
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    partial = getattr(cfg, "partial_rotary_factor", 1.0) or 1.0
+    rotary_dim = int(head_dim * partial)
+    act = getattr(cfg, "hidden_activation", None) or cfg.hidden_act
+    if family == "gemma":
+        act = "gelu_pytorch_tanh" if act in ("gelu", "gelu_pytorch_tanh") else act
+    eos, bos, pad = _special_tokens(cfg)
+    sliding = getattr(cfg, "sliding_window", None) if family in ("mistral", "qwen2", "qwen3", "phi3") else None
+    if family in ("qwen2", "qwen3") and not getattr(cfg, "use_sliding_window", False):
+        sliding = None
+    spec = ArchSpec(
+        family=family,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        norm="rms",
+        norm_eps=float(cfg.rms_norm_eps),
+        activation=_act_name(act),
+        gated_mlp=True,
+        positions="rope",
+        rotary_dim=rotary_dim,
+        embedding_scale=float(cfg.hidden_size) ** 0.5 if family == "gemma" else None,
+        max_positions=max_positions,
+        sliding_window=sliding,
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        eos_token_ids=eos,
+        bos_token_id=bos,
+        pad_token_id=pad,
+    )
+    gemma_offset = 1.0 if family == "gemma" else 0.0
+
+    def norm_w(module) -> np.ndarray:
+        return _np(module.weight) + gemma_offset
+
+    layers = []
+    for layer in inner.layers:
+        attn = layer.self_attn
+        mlp = layer.mlp
+        if family == "phi3":
+            qkv_w, qkv_b = _lin(attn.qkv_proj)
+            q_size, kv_size = heads * head_dim, kv_heads * head_dim
+            q_w, k_w, v_w = np.split(qkv_w, [q_size, q_size + kv_size], axis=1)
+            q_b = k_b = v_b = None
+            gu_w, _ = _lin(mlp.gate_up_proj)
+            gate_w, up_w = np.split(gu_w, 2, axis=1)
+            gate_b = up_b = None
+        else:
+            q_w, q_b = _lin(attn.q_proj)
+            k_w, k_b = _lin(attn.k_proj)
+            v_w, v_b = _lin(attn.v_proj)
+            gate_w, gate_b = _lin(mlp.gate_proj)
+            up_w, up_b = _lin(mlp.up_proj)
+        o_w, o_b = _lin(attn.o_proj)
+        down_w, down_b = _lin(mlp.down_proj)
+        layers.append(
+            LayerWeights(
+                ln1_w=norm_w(layer.input_layernorm),
+                ln1_b=None,
+                q_w=q_w.copy(), k_w=k_w.copy(), v_w=v_w.copy(),
+                q_b=q_b, k_b=k_b, v_b=v_b,
+                o_w=o_w, o_b=o_b,
+                ln2_w=norm_w(layer.post_attention_layernorm),
+                ln2_b=None,
+                up_w=up_w.copy(), up_b=up_b, down_w=down_w, down_b=down_b,
+                gate_w=gate_w.copy(), gate_b=gate_b,
+                q_norm_w=norm_w(attn.q_norm) if hasattr(attn, "q_norm") else None,
+                k_norm_w=norm_w(attn.k_norm) if hasattr(attn, "k_norm") else None,
+            )
+        )
+    embed = _np(inner.embed_tokens.weight)
+    lm_w, lm_b = _lin(model.lm_head)
+    cos, sin = _rope_tables(model, rotary_dim, max_positions)
+    weights = ModelWeights(
+        embed=embed, lm_head=lm_w, lm_head_b=lm_b,
+        final_norm_w=norm_w(inner.norm), final_norm_b=None,
+        layers=layers, rope_cos=cos, rope_sin=sin,
+    )
+    return spec, weights
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT-2 (learned positions, Conv1D, LayerNorm with bias)
+# ---------------------------------------------------------------------------------------------
+
+
+def _gpt2(model, family: str, max_positions: int) -> tuple[ArchSpec, ModelWeights]:
+    cfg = model.config
+    tr = model.transformer
+    hidden, heads = cfg.n_embd, cfg.n_head
+    head_dim = hidden // heads
+    if getattr(cfg, "scale_attn_by_inverse_layer_idx", False) or getattr(cfg, "reorder_and_upcast_attn", False):
+        raise UnsupportedArchitectureError("gpt2 with scale_attn_by_inverse_layer_idx/reorder_and_upcast_attn")
+    eos, bos, pad = _special_tokens(cfg)
+    max_positions = min(max_positions, cfg.n_positions)
+    spec = ArchSpec(
+        family=family, vocab_size=cfg.vocab_size, hidden_size=hidden, num_layers=cfg.n_layer,
+        num_heads=heads, num_kv_heads=heads, head_dim=head_dim, norm="layer",
+        norm_eps=float(cfg.layer_norm_epsilon), activation=_act_name(cfg.activation_function),
+        gated_mlp=False, positions="learned", max_positions=max_positions,
+        attention_scale=None if cfg.scale_attn_weights else 1.0,
+        tie_word_embeddings=True, eos_token_ids=eos, bos_token_id=bos, pad_token_id=pad,
+    )
+    layers = []
+    for block in tr.h:
+        # Conv1D stores [in, out] already
+        qkv_w, qkv_b = _np(block.attn.c_attn.weight), _np(block.attn.c_attn.bias)
+        q_w, k_w, v_w = np.split(qkv_w, 3, axis=1)
+        q_b, k_b, v_b = np.split(qkv_b, 3)
+        layers.append(
+            LayerWeights(
+                ln1_w=_np(block.ln_1.weight), ln1_b=_np(block.ln_1.bias),
+                q_w=q_w.copy(), k_w=k_w.copy(), v_w=v_w.copy(),
+                q_b=q_b.copy(), k_b=k_b.copy(), v_b=v_b.copy(),
+                o_w=_np(block.attn.c_proj.weight), o_b=_np(block.attn.c_proj.bias),
+                ln2_w=_np(block.ln_2.weight), ln2_b=_np(block.ln_2.bias),
+                up_w=_np(block.mlp.c_fc.weight), up_b=_np(block.mlp.c_fc.bias),
+                down_w=_np(block.mlp.c_proj.weight), down_b=_np(block.mlp.c_proj.bias),
+            )
+        )
+    lm_w, lm_b = _lin(model.lm_head)
+    weights = ModelWeights(
+        embed=_np(tr.wte.weight), lm_head=lm_w, lm_head_b=lm_b,
+        final_norm_w=_np(tr.ln_f.weight), final_norm_b=_np(tr.ln_f.bias),
+        layers=layers, positions=_np(tr.wpe.weight)[:max_positions].copy(),
+    )
+    return spec, weights
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT-NeoX (parallel residual, partial rotary, per-head interleaved fused qkv)
+# ---------------------------------------------------------------------------------------------
+
+
+def _gpt_neox(model, family: str, max_positions: int) -> tuple[ArchSpec, ModelWeights]:
+    cfg = model.config
+    inner = model.gpt_neox
+    hidden, heads = cfg.hidden_size, cfg.num_attention_heads
+    head_dim = hidden // heads
+    pct = getattr(cfg, "rotary_pct", None)
+    if pct is None:
+        pct = getattr(cfg, "partial_rotary_factor", 1.0)
+    rotary_dim = int(head_dim * pct)
+    eos, bos, pad = _special_tokens(cfg)
+    spec = ArchSpec(
+        family=family, vocab_size=cfg.vocab_size, hidden_size=hidden,
+        num_layers=cfg.num_hidden_layers, num_heads=heads, num_kv_heads=heads, head_dim=head_dim,
+        norm="layer", norm_eps=float(cfg.layer_norm_eps), activation=_act_name(cfg.hidden_act),
+        gated_mlp=False, positions="rope", rotary_dim=rotary_dim,
+        parallel_residual=bool(cfg.use_parallel_residual), max_positions=max_positions,
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        eos_token_ids=eos, bos_token_id=bos, pad_token_id=pad,
+    )
+    layers = []
+    for layer in inner.layers:
+        att = layer.attention
+        w = _np(att.query_key_value.weight)  # [3*hidden, hidden], rows per head: q, k, v
+        b = _np(att.query_key_value.bias)
+        w = w.reshape(heads, 3, head_dim, hidden)
+        b = b.reshape(heads, 3, head_dim)
+        q_w, k_w, v_w = (w[:, i].reshape(heads * head_dim, hidden).T.copy() for i in range(3))
+        q_b, k_b, v_b = (b[:, i].reshape(-1).copy() for i in range(3))
+        o_w, o_b = _lin(att.dense)
+        up_w, up_b = _lin(layer.mlp.dense_h_to_4h)
+        down_w, down_b = _lin(layer.mlp.dense_4h_to_h)
+        layers.append(
+            LayerWeights(
+                ln1_w=_np(layer.input_layernorm.weight), ln1_b=_np(layer.input_layernorm.bias),
+                q_w=q_w, k_w=k_w, v_w=v_w, q_b=q_b, k_b=k_b, v_b=v_b, o_w=o_w, o_b=o_b,
+                ln2_w=_np(layer.post_attention_layernorm.weight),
+                ln2_b=_np(layer.post_attention_layernorm.bias),
+                up_w=up_w, up_b=up_b, down_w=down_w, down_b=down_b,
+            )
+        )
+    lm_w, lm_b = _lin(model.embed_out)
+    cos, sin = _rope_tables(model, rotary_dim, max_positions)
+    weights = ModelWeights(
+        embed=_np(inner.embed_in.weight), lm_head=lm_w, lm_head_b=lm_b,
+        final_norm_w=_np(inner.final_layer_norm.weight), final_norm_b=_np(inner.final_layer_norm.bias),
+        layers=layers, rope_cos=cos, rope_sin=sin,
+    )
+    return spec, weights
+
+
+EXTRACTORS: dict[str, Callable] = {
+    "llama": _llama_like,
+    "mistral": _llama_like,
+    "qwen2": _llama_like,
+    "qwen3": _llama_like,
+    "gemma": _llama_like,
+    "phi3": _llama_like,
+    "gpt2": _gpt2,
+    "gpt_neox": _gpt_neox,
+}
+
+
+def extract(model, max_positions: int) -> tuple[ArchSpec, ModelWeights]:
+    """Read a loaded transformers causal LM into the canonical form."""
+    family = getattr(model.config, "model_type", None)
+    if family not in EXTRACTORS:
+        raise UnsupportedArchitectureError(
+            f"architecture '{family}' is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}"
+        )
+    cfg_max = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    if cfg_max:
+        max_positions = min(max_positions, int(cfg_max))
+    return EXTRACTORS[family](model, family, max_positions)

@@ -1,0 +1,352 @@
+"""Build the verify graph op by op from canonical weights.
+
+Why not ``torch.onnx.export``: a traced 2-layer Llama has ~640 nodes of shape arithmetic, mask
+construction and casts, and ONNX Runtime's per-call CPU latency follows node count. Building
+from the weights (as onnxruntime-genai's model builder does) gives ~15 nodes per layer, with
+fused RMSNorm / skip-norm / rotary kernels, q/k/v and gate/up packed into single GEMMs, and the
+attention scale folded into the query weights. Export of a small model takes seconds.
+
+Two op sets:
+- ``fused`` (default): ONNX Runtime contrib ops (``SimplifiedLayerNormalization``,
+  ``SkipSimplifiedLayerNormalization``, ``SkipLayerNormalization``, ``RotaryEmbedding``,
+  ``QuickGelu``, ``FastGelu``, ``Gelu``) that the CPU and CUDA execution providers implement.
+- ``portable``: standard ONNX ops only, for parsers without the contrib domain (TensorRT).
+
+The graph contract (docs/graph-contract.md) is identical for both.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from specdec_rt.export.arch import ArchSpec, ModelWeights
+
+CONTRACT_VERSION = 1
+MS_DOMAIN = "com.microsoft"
+
+_NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16}
+
+
+@dataclass
+class GraphOptions:
+    dtype: str = "fp32"  # "fp32" | "fp16"
+    opset: int = 17
+    fused: bool = True
+
+
+class _Graph:
+    """A tiny node/initializer accumulator with unique names."""
+
+    def __init__(self, np_dtype: np.dtype, opset: int) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self.np_dtype = np.dtype(np_dtype)
+        self.onnx_dtype = _NP_TO_ONNX[self.np_dtype]
+        self.opset = opset
+        self._count = 0
+
+    def name(self, hint: str) -> str:
+        self._count += 1
+        return f"{hint}_{self._count}"
+
+    def const(self, array: np.ndarray, hint: str, dtype: np.dtype | None = None) -> str:
+        name = self.name(hint)
+        arr = np.asarray(array)
+        if dtype is not None:
+            arr = arr.astype(dtype)
+        elif arr.dtype.kind == "f":
+            arr = arr.astype(self.np_dtype)
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
+        return name
+
+    def shape(self, dims: list[int], hint: str = "shape") -> str:
+        return self.const(np.array(dims, dtype=np.int64), hint, dtype=np.int64)
+
+    def op(self, op_type: str, inputs: list[str], hint: str | None = None, n_out: int = 1,
+           domain: str = "", outputs: list[str] | None = None, **attrs) -> str | list[str]:
+        base = self.name(hint or op_type)
+        outs = outputs or ([base] if n_out == 1 else [f"{base}_o{i}" for i in range(n_out)])
+        self.nodes.append(helper.make_node(op_type, inputs, outs, name=base, domain=domain, **attrs))
+        return outs[0] if n_out == 1 else outs
+
+
+class GraphBuilder:
+    """Emit one decoder-only LM graph that serves prefill, decode, chain and tree verify."""
+
+    def __init__(self, spec: ArchSpec, weights: ModelWeights, options: GraphOptions) -> None:
+        self.spec = spec
+        self.w = weights
+        self.opt = options
+        self.g = _Graph(np.float16 if options.dtype == "fp16" else np.float32, options.opset)
+
+    # -- small emitters --------------------------------------------------------------------
+    def _linear(self, x: str, w: np.ndarray, b: np.ndarray | None, hint: str) -> str:
+        y = self.g.op("MatMul", [x, self.g.const(w, hint + "_w")], hint)
+        if b is not None:
+            y = self.g.op("Add", [y, self.g.const(b, hint + "_b")], hint + "_bias")
+        return y
+
+    def _reduce_mean_last(self, x: str) -> str:
+        if self.g.opset >= 18:
+            return self.g.op("ReduceMean", [x, self.g.shape([-1], "axes")], "rms_mean", keepdims=1)
+        return self.g.op("ReduceMean", [x], "rms_mean", axes=[-1], keepdims=1)
+
+    def _rms_plain(self, x: str, w: np.ndarray) -> str:
+        g = self.g
+        sq = g.op("Mul", [x, x], "rms_sq")
+        mean = self._reduce_mean_last(sq)
+        eps = g.op("Add", [mean, g.const(np.array(self.spec.norm_eps), "eps")], "rms_eps")
+        inv = g.op("Reciprocal", [g.op("Sqrt", [eps], "rms_sqrt")], "rms_inv")
+        return g.op("Mul", [g.op("Mul", [x, inv], "rms_scale"), g.const(w, "rms_w")], "rms")
+
+    def _norm(self, residual: str, pending: str | None, w: np.ndarray, b: np.ndarray | None,
+              hint: str) -> tuple[str, str]:
+        """Normalize ``residual + pending``; return (normed, new residual)."""
+        g, s = self.g, self.spec
+        if self.opt.fused:
+            gamma = g.const(w, hint + "_gamma")
+            if s.norm == "rms":
+                if pending is None:
+                    out = g.op("SimplifiedLayerNormalization", [residual, gamma], hint,
+                               axis=-1, epsilon=s.norm_eps, stash_type=1)
+                    return out, residual
+                outs = g.op("SkipSimplifiedLayerNormalization", [residual, pending, gamma], hint,
+                            n_out=4, domain=MS_DOMAIN, epsilon=s.norm_eps)
+                return outs[0], outs[3]
+            beta = g.const(b if b is not None else np.zeros_like(w), hint + "_beta")
+            if pending is None:
+                out = g.op("LayerNormalization", [residual, gamma, beta], hint, axis=-1,
+                           epsilon=s.norm_eps)
+                return out, residual
+            outs = g.op("SkipLayerNormalization", [residual, pending, gamma, beta], hint, n_out=4,
+                        domain=MS_DOMAIN, epsilon=s.norm_eps)
+            return outs[0], outs[3]
+        if pending is not None:
+            residual = g.op("Add", [residual, pending], hint + "_residual")
+        if s.norm == "rms":
+            return self._rms_plain(residual, w), residual
+        beta = g.const(b if b is not None else np.zeros_like(w), hint + "_beta")
+        out = g.op("LayerNormalization", [residual, g.const(w, hint + "_gamma"), beta], hint,
+                   axis=-1, epsilon=s.norm_eps)
+        return out, residual
+
+    def _head_rms(self, x: str, heads: int, w: np.ndarray, hint: str) -> str:
+        """Per-head RMSNorm over head_dim (Qwen3's q_norm / k_norm)."""
+        g, d = self.g, self.spec.head_dim
+        x4 = g.op("Reshape", [x, g.shape([0, 0, heads, d])], hint + "_4d")
+        if self.opt.fused:
+            normed = g.op("SimplifiedLayerNormalization", [x4, g.const(w, hint + "_gamma")], hint,
+                          axis=-1, epsilon=self.spec.norm_eps, stash_type=1)
+        else:
+            normed = self._rms_plain(x4, w)
+        return g.op("Reshape", [normed, g.shape([0, 0, heads * d])], hint + "_3d")
+
+    def _activation(self, x: str) -> str:
+        g, act = self.g, self.spec.activation
+        if act == "relu":
+            return g.op("Relu", [x])
+        if self.opt.fused:
+            if act == "silu":
+                return g.op("QuickGelu", [x], "silu", domain=MS_DOMAIN, alpha=1.0)
+            if act == "gelu":
+                return g.op("Gelu", [x], "gelu", domain=MS_DOMAIN)
+            return g.op("FastGelu", [x], "gelu_tanh", domain=MS_DOMAIN)
+        if act == "silu":
+            return g.op("Mul", [x, g.op("Sigmoid", [x])], "silu")
+        half = g.const(np.array(0.5), "half")
+        one = g.const(np.array(1.0), "one")
+        if act == "gelu":
+            inner = g.op("Erf", [g.op("Mul", [x, g.const(np.array(1 / np.sqrt(2.0)), "isqrt2")])])
+        else:
+            cube = g.op("Mul", [g.op("Mul", [x, x]), x])
+            poly = g.op("Add", [x, g.op("Mul", [cube, g.const(np.array(0.044715), "c")])])
+            inner = g.op("Tanh", [g.op("Mul", [poly, g.const(np.array(np.sqrt(2 / np.pi)), "k")])])
+        return g.op("Mul", [g.op("Mul", [x, half]), g.op("Add", [inner, one])], act)
+
+    # -- rotary -----------------------------------------------------------------------------
+    def _rope_setup(self) -> None:
+        s, g = self.spec, self.g
+        self._cos = g.const(self.w.rope_cos, "cos_cache")
+        self._sin = g.const(self.w.rope_sin, "sin_cache")
+        if not self.opt.fused:
+            cos = g.op("Gather", [self._cos, "position_ids"], "cos_g")  # [B,S,R/2]
+            sin = g.op("Gather", [self._sin, "position_ids"], "sin_g")
+            cos = g.op("Concat", [cos, cos], "cos_full", axis=-1)
+            sin = g.op("Concat", [sin, sin], "sin_full", axis=-1)
+            axes = g.shape([2], "axes")
+            self._cos_b = g.op("Unsqueeze", [cos, axes], "cos_b")  # [B,S,1,R]
+            self._sin_b = g.op("Unsqueeze", [sin, axes], "sin_b")
+
+    def _rope(self, x: str, heads: int, hint: str) -> str:
+        s, g = self.spec, self.g
+        if self.opt.fused:
+            attrs = {"num_heads": heads, "interleaved": 0}
+            if s.rotary_dim != s.head_dim:
+                attrs["rotary_embedding_dim"] = s.rotary_dim
+            return g.op("RotaryEmbedding", [x, "position_ids", self._cos, self._sin], hint,
+                        domain=MS_DOMAIN, **attrs)
+        d, r = s.head_dim, s.rotary_dim
+        x4 = g.op("Reshape", [x, g.shape([0, 0, heads, d])], hint + "_4d")
+        if r != d:
+            rot, keep = g.op("Split", [x4, g.shape([r, d - r], "split")], hint + "_split", n_out=2, axis=-1)
+        else:
+            rot, keep = x4, None
+        x1, x2 = g.op("Split", [rot, g.shape([r // 2, r // 2], "split")], hint + "_halves", n_out=2, axis=-1)
+        rotated = g.op("Concat", [g.op("Neg", [x2]), x1], hint + "_rot", axis=-1)
+        out = g.op("Add", [g.op("Mul", [rot, self._cos_b]), g.op("Mul", [rotated, self._sin_b])], hint + "_rope")
+        if keep is not None:
+            out = g.op("Concat", [out, keep], hint + "_join", axis=-1)
+        return g.op("Reshape", [out, g.shape([0, 0, heads * d])], hint + "_3d")
+
+    # -- attention ---------------------------------------------------------------------------
+    def _attention(self, q: str, k_all: str, v_all: str, mask: str, hint: str) -> str:
+        """Grouped attention without repeating K/V: query heads of one KV head share a GEMM."""
+        g, s = self.g, self.spec
+        h, hkv, d = s.num_heads, s.num_kv_heads, s.head_dim
+        grp = h // hkv
+        if grp == 1:
+            q4 = g.op("Transpose", [g.op("Reshape", [q, g.shape([0, 0, h, d])])], hint + "_q", perm=[0, 2, 1, 3])
+        else:
+            q5 = g.op("Reshape", [q, g.shape([0, 0, hkv, grp, d])], hint + "_q5")
+            q5 = g.op("Transpose", [q5], hint + "_qt", perm=[0, 2, 3, 1, 4])  # [B,Hkv,G,S,D]
+            q4 = g.op("Reshape", [q5, g.shape([0, hkv, -1, d])], hint + "_q")  # [B,Hkv,G*S,D]
+        kt = g.op("Transpose", [k_all], hint + "_kt", perm=[0, 2, 3, 1])  # [B,Hkv,D,T]
+        vt = g.op("Transpose", [v_all], hint + "_vt", perm=[0, 2, 1, 3])  # [B,Hkv,T,D]
+        scores = g.op("MatMul", [q4, kt], hint + "_scores")
+        scores = g.op("Add", [scores, mask], hint + "_masked")
+        probs = g.op("Softmax", [scores], hint + "_probs", axis=-1)
+        ctx = g.op("MatMul", [probs, vt], hint + "_ctx")  # [B,Hkv,G*S,D]
+        if grp == 1:
+            ctx = g.op("Transpose", [ctx], hint + "_ctxt", perm=[0, 2, 1, 3])
+        else:
+            ctx = g.op("Reshape", [ctx, g.shape([0, hkv, grp, -1, d])], hint + "_ctx5")
+            ctx = g.op("Transpose", [ctx], hint + "_ctxt", perm=[0, 3, 1, 2, 4])  # [B,S,Hkv,G,D]
+        return g.op("Reshape", [ctx, g.shape([0, 0, h * d])], hint + "_merged")
+
+    # -- whole model -------------------------------------------------------------------------
+    def build(self) -> onnx.ModelProto:
+        s, g, w = self.spec, self.g, self.w
+        h, hkv, d = s.num_heads, s.num_kv_heads, s.head_dim
+        grp = h // hkv
+        kv_type = g.onnx_dtype
+        inputs = [
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
+            helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
+            helper.make_tensor_value_info("attention_mask", TensorProto.FLOAT, ["batch", 1, "seq", "total"]),
+        ]
+        outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", s.vocab_size])]
+        for i in range(s.num_layers):
+            for kind in ("key", "value"):
+                inputs.append(helper.make_tensor_value_info(f"past_{kind}.{i}", kv_type, ["batch", "past", hkv, d]))
+                outputs.append(helper.make_tensor_value_info(f"new_{kind}.{i}", kv_type, ["batch", "seq", hkv, d]))
+
+        x = g.op("Gather", [g.const(w.embed, "embed"), "input_ids"], "embed_tokens")
+        if s.embedding_scale is not None:
+            x = g.op("Mul", [x, g.const(np.array(s.embedding_scale), "embed_scale")], "embed_scaled")
+        if s.positions == "learned":
+            pos = g.op("Gather", [g.const(w.positions, "wpe"), "position_ids"], "embed_positions")
+            x = g.op("Add", [x, pos], "embed_sum")
+        else:
+            self._rope_setup()
+        mask = "attention_mask"
+        if g.np_dtype != np.float32:
+            mask = g.op("Cast", [mask], "mask_cast", to=g.onnx_dtype)
+        if grp > 1:  # rows ordered (group, seq): tile the [S, T] mask once per group
+            mask = g.op("Tile", [mask, g.shape([1, 1, grp, 1], "tile")], "mask_tiled")
+
+        scale = s.attention_scale if s.attention_scale is not None else 1.0 / np.sqrt(d)
+        residual, pending = x, None
+        for i, lw in enumerate(w.layers):
+            p = f"l{i}"
+            normed, residual = self._norm(residual, pending, lw.ln1_w, lw.ln1_b, p + "_ln1")
+            q_w, q_b, q_norm = lw.q_w, lw.q_b, lw.q_norm_w
+            if q_norm is not None:
+                q_norm = q_norm * scale
+            else:
+                q_w = q_w * scale
+                q_b = None if q_b is None else q_b * scale
+            qkv_w = np.concatenate([q_w, lw.k_w, lw.v_w], axis=1)
+            qkv_b = None
+            if lw.q_b is not None or lw.k_b is not None or lw.v_b is not None:
+                zeros = lambda n: np.zeros(n, dtype=np.float32)  # noqa: E731
+                qkv_b = np.concatenate([
+                    q_b if q_b is not None else zeros(h * d),
+                    lw.k_b if lw.k_b is not None else zeros(hkv * d),
+                    lw.v_b if lw.v_b is not None else zeros(hkv * d),
+                ])
+            qkv = self._linear(normed, qkv_w, qkv_b, p + "_qkv")
+            q, k, v = g.op("Split", [qkv, g.shape([h * d, hkv * d, hkv * d], "split")], p + "_qkv_split",
+                           n_out=3, axis=-1)
+            if q_norm is not None:
+                q = self._head_rms(q, h, q_norm, p + "_qnorm")
+                k = self._head_rms(k, hkv, lw.k_norm_w, p + "_knorm")
+            if s.positions == "rope":
+                q = self._rope(q, h, p + "_qrope")
+                k = self._rope(k, hkv, p + "_krope")
+            kv_shape = g.shape([0, 0, hkv, d])
+            g.op("Reshape", [k, kv_shape], outputs=[f"new_key.{i}"])
+            g.op("Reshape", [v, kv_shape], outputs=[f"new_value.{i}"])
+            k_all = g.op("Concat", [f"past_key.{i}", f"new_key.{i}"], p + "_k_all", axis=1)
+            v_all = g.op("Concat", [f"past_value.{i}", f"new_value.{i}"], p + "_v_all", axis=1)
+            attn = self._attention(q, k_all, v_all, mask, p + "_attn")
+            attn = self._linear(attn, lw.o_w, lw.o_b, p + "_o")
+
+            if s.parallel_residual:
+                normed2, _ = self._norm(residual, None, lw.ln2_w, lw.ln2_b, p + "_ln2")
+                mlp = self._mlp(normed2, lw, p)
+                pending = g.op("Add", [attn, mlp], p + "_delta")
+            else:
+                normed2, residual = self._norm(residual, attn, lw.ln2_w, lw.ln2_b, p + "_ln2")
+                pending = self._mlp(normed2, lw, p)
+
+        final, _ = self._norm(residual, pending, w.final_norm_w, w.final_norm_b, "final_norm")
+        logits = self._linear(final, w.lm_head, w.lm_head_b, "lm_head")
+        if g.np_dtype != np.float32:
+            logits = g.op("Cast", [logits], "logits_cast", to=TensorProto.FLOAT)
+        g.op("Identity", [logits], outputs=["logits"])
+
+        graph = helper.make_graph(g.nodes, f"specdec_{s.family}", inputs, outputs, g.inits)
+        opsets = [helper.make_opsetid("", self.opt.opset)]
+        if self.opt.fused:
+            opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
+        model = helper.make_model(graph, opset_imports=opsets, producer_name="specdec-rt")
+        model.ir_version = 8 if self.opt.opset <= 17 else 9
+        return model
+
+    def _mlp(self, x: str, lw, p: str) -> str:
+        g = self.g
+        if self.spec.gated_mlp:
+            inter = lw.up_w.shape[1]
+            gu_w = np.concatenate([lw.gate_w, lw.up_w], axis=1)
+            gu_b = None
+            if lw.gate_b is not None or lw.up_b is not None:
+                gu_b = np.concatenate([
+                    lw.gate_b if lw.gate_b is not None else np.zeros(inter, np.float32),
+                    lw.up_b if lw.up_b is not None else np.zeros(inter, np.float32),
+                ])
+            gu = self._linear(x, gu_w, gu_b, p + "_gate_up")
+            gate, up = g.op("Split", [gu, g.shape([inter, inter], "split")], p + "_gu_split", n_out=2, axis=-1)
+            hidden = g.op("Mul", [self._activation(gate), up], p + "_gated")
+        else:
+            hidden = self._activation(self._linear(x, lw.up_w, lw.up_b, p + "_fc_in"))
+        return self._linear(hidden, lw.down_w, lw.down_b, p + "_down")
+
+
+def build_model(spec: ArchSpec, weights: ModelWeights, options: GraphOptions) -> onnx.ModelProto:
+    return GraphBuilder(spec, weights, options).build()
+
+
+def save_model(model: onnx.ModelProto, path: str) -> list[str]:
+    """Save with weights in one external-data file beside the graph; return the files written."""
+    import os
+
+    data_name = os.path.basename(path) + ".data"
+    data_path = os.path.join(os.path.dirname(path), data_name)
+    if os.path.exists(data_path):
+        os.remove(data_path)
+    onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=data_name, size_threshold=1024)
+    return [path, data_path]

@@ -1,0 +1,221 @@
+"""The public Python API: ``load(bundle)`` -> :class:`Generator` with ``generate`` and ``stream``."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from specdec_rt.runtime.bundle import Bundle, BundleError, load_bundle
+from specdec_rt.runtime.drafters import Drafter, ModelDrafter, PromptLookupDrafter
+from specdec_rt.runtime.engine import ContextOverflowError, OrtEngine
+from specdec_rt.runtime.sampling import SamplingParams, SamplingParamsError
+from specdec_rt.runtime.speculative import LoopConfig, run_chain
+from specdec_rt.runtime.stats import GenerationStats
+from specdec_rt.runtime.tokenizer import IncrementalDecoder, TextTokenizer
+
+DRAFTERS = ("model", "prompt_lookup")
+
+
+class GenerationInputError(ValueError):
+    """The prompt or a generation argument is invalid."""
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+    finish_reason: str = "length"  # "length" | "eos" | "stop" | "context"
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "stats": self.stats.to_dict()}
+
+
+class Generator:
+    """A loaded bundle: target engine, optional draft engine, tokenizer."""
+
+    def __init__(self, bundle: Bundle, provider: str = "cpu", draft_provider: str | None = None,
+                 threads: int | None = None, max_length: int | None = None) -> None:
+        self.bundle = bundle
+        self.max_length = min(max_length or bundle.max_context, bundle.max_context)
+        if self.max_length < 2:
+            raise GenerationInputError("max_length must be at least 2")
+        self.tokenizer = TextTokenizer(bundle.tokenizer_path)
+        self.target = OrtEngine(bundle.graph_path("target"), bundle.target, self.max_length, provider,
+                                threads, bundle.root)
+        self.draft_engine = None
+        if bundle.draft is not None:
+            self.draft_engine = OrtEngine(bundle.graph_path("draft"), bundle.draft, self.max_length,
+                                          draft_provider or provider, threads, bundle.root)
+        self.vocab_size = bundle.target.vocab_size
+        self.eos_token_ids = tuple(bundle.eos_token_ids)
+
+    # -- argument checks ----------------------------------------------------------------------
+    def _prompt_ids(self, prompt: str | Sequence[int] | np.ndarray) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise GenerationInputError("the prompt is empty")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            arr = np.asarray(prompt)
+            if arr.ndim != 1:
+                raise GenerationInputError(f"token ids must be one sequence, got shape {arr.shape}")
+            if arr.size and arr.dtype.kind not in "iu":
+                raise GenerationInputError(f"token ids must be integers, got dtype {arr.dtype}")
+            ids = [int(t) for t in arr]
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise GenerationInputError(
+                    f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if not ids:
+            raise GenerationInputError("the prompt is empty (no tokens)")
+        if len(ids) >= self.max_length:
+            raise ContextOverflowError(
+                f"the prompt has {len(ids)} tokens but the context is {self.max_length}; "
+                "shorten the prompt (at least one position must remain for generation)")
+        return ids
+
+    def _drafter(self, drafter: str | None) -> Drafter | None:
+        if drafter is None or drafter == "none":
+            return None
+        if drafter == "model":
+            if self.draft_engine is None:
+                raise GenerationInputError("this bundle has no draft model; use drafter='prompt_lookup' or None")
+            return ModelDrafter(self.draft_engine, self.vocab_size)
+        if drafter == "prompt_lookup":
+            return PromptLookupDrafter()
+        raise GenerationInputError(f"unknown drafter '{drafter}'; choose one of {DRAFTERS} or None")
+
+    def _loop(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_k: int,
+              top_p: float, seed: int | None, num_draft_tokens: int | str, drafter: str | None,
+              speculation: str, do_sample: bool | None, ignore_eos: bool,
+              stats: GenerationStats) -> Iterator[list[int]]:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+            raise GenerationInputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if do_sample is False:
+            temperature = 0.0
+        params = SamplingParams(float(temperature), int(top_k), float(top_p))
+        if do_sample and params.greedy:
+            raise SamplingParamsError("do_sample=True needs temperature > 0")
+        policy = None
+        if num_draft_tokens == "auto":
+            from specdec_rt.runtime.policy import make_policy
+
+            policy = make_policy(self, drafter)
+            k = 0
+        else:
+            if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, (int, np.integer)) \
+                    or not 0 <= num_draft_tokens <= 64:
+                raise GenerationInputError(f"num_draft_tokens must be 0..64 or 'auto', got {num_draft_tokens!r}")
+            k = int(num_draft_tokens)
+        d = self._drafter(drafter)
+        stats.prompt_tokens = len(prompt_ids)
+        stats.drafter = None if d is None else d.name
+        stats.speculation = speculation
+        stats.num_draft_tokens = num_draft_tokens
+        rng = np.random.default_rng(seed)
+        cfg = LoopConfig(max_new_tokens=int(max_new_tokens), params=params, num_draft_tokens=k,
+                         eos_token_ids=self.eos_token_ids, ignore_eos=ignore_eos, policy=policy)
+        if speculation == "chain":
+            inner = run_chain(self.target, d, prompt_ids, cfg, rng, stats)
+        elif speculation == "tree":
+            from specdec_rt.runtime.tree import run_tree
+
+            if not isinstance(d, ModelDrafter):
+                raise GenerationInputError("speculation='tree' needs drafter='model'")
+            inner = run_tree(self.target, d, prompt_ids, cfg, rng, stats)
+        else:
+            raise GenerationInputError(f"speculation must be 'chain' or 'tree', not {speculation!r}")
+        yield from inner
+        if d is not None:
+            stats.draft_calls = getattr(d, "calls", 0)
+
+    # -- public API -------------------------------------------------------------------------
+    def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float = 0.0,
+               top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+               num_draft_tokens: int | str = 4, drafter: str | None = "model",
+               speculation: str = "chain", stop: Sequence[str] | str | None = None,
+               do_sample: bool | None = None, ignore_eos: bool = False,
+               result: GenerationResult | None = None) -> Iterator[str]:
+        """Yield text pieces as tokens are committed. Pass ``result`` to collect ids and stats."""
+        prompt_ids = self._prompt_ids(prompt)
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        stats = GenerationStats()
+        res = result if result is not None else GenerationResult("", [], stats)
+        res.stats, res.prompt_token_ids, res.token_ids, res.text = stats, prompt_ids, [], ""
+        decoder = IncrementalDecoder(self.tokenizer)
+        held = ""  # text withheld because it may be the start of a stop string
+        finish = "length"
+        for new in self._loop(prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
+                              num_draft_tokens, drafter, speculation, do_sample, ignore_eos, stats):
+            res.token_ids.extend(new)
+            piece = decoder.push(new)
+            if new and new[-1] in self.eos_token_ids and not ignore_eos:
+                finish = "eos"
+            if stops:
+                held += piece
+                cut = min((held.find(s) for s in stops if s in held), default=-1)
+                if cut >= 0:
+                    res.text += held[:cut]
+                    if held[:cut]:
+                        yield held[:cut]
+                    finish = "stop"
+                    break
+                keep = max(len(s) for s in stops) - 1  # a stop string may still be completing
+                split = max(0, len(held) - keep)
+                piece, held = held[:split], held[split:]
+            if piece:
+                res.text += piece
+                yield piece
+        else:
+            if held:
+                res.text += held
+                yield held
+            if finish == "length" and len(prompt_ids) + len(res.token_ids) >= self.max_length \
+                    and len(res.token_ids) < max_new_tokens:
+                finish = "context"
+        res.finish_reason = finish
+
+    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 num_draft_tokens: int | str = 4, drafter: str | None = "model",
+                 speculation: str = "chain", stop: Sequence[str] | str | None = None,
+                 do_sample: bool | None = None, ignore_eos: bool = False) -> GenerationResult:
+        """Generate a completion. Greedy when ``temperature == 0`` (the default)."""
+        result = GenerationResult("", [], GenerationStats())
+        for _ in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, num_draft_tokens,
+                             drafter, speculation, stop, do_sample, ignore_eos, result=result):
+            pass
+        result.text = self.tokenizer.decode(result.token_ids) if not stop else result.text
+        return result
+
+    def generate_ids(self, prompt_ids: Sequence[int], **kwargs) -> list[int]:
+        """Token ids only, skipping detokenization (benchmarks, exactness tests)."""
+        stats = GenerationStats()
+        out: list[int] = []
+        args = dict(max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, seed=None,
+                    num_draft_tokens=4, drafter="model", speculation="chain", do_sample=None,
+                    ignore_eos=False)
+        args.update(kwargs)
+        for new in self._loop(self._prompt_ids(prompt_ids), args["max_new_tokens"], args["temperature"],
+                              args["top_k"], args["top_p"], args["seed"], args["num_draft_tokens"],
+                              args["drafter"], args["speculation"], args["do_sample"], args["ignore_eos"], stats):
+            out.extend(new)
+        self.last_stats = stats
+        return out
+
+
+def load(bundle: str | os.PathLike, provider: str = "cpu", draft_provider: str | None = None,
+         threads: int | None = None, max_length: int | None = None,
+         verify_checksums: bool = True) -> Generator:
+    """Load a bundle. ``provider``: "cpu" | "cuda" | "tensorrt"; the draft may use another one."""
+    b = load_bundle(bundle, verify_checksums=verify_checksums)
+    return Generator(b, provider=provider, draft_provider=draft_provider, threads=threads,
+                     max_length=max_length)
+
+
+__all__ = ["load", "Generator", "GenerationResult", "GenerationStats", "BundleError"]

@@ -1,0 +1,100 @@
+"""Logit processing and the speculative acceptance rules.
+
+Temperature, top-k and top-p shape the draft's q and the target's p *identically* before the
+acceptance test; the output then follows the processed target distribution exactly (Leviathan et
+al. 2023, Chen et al. 2023). Shaping only p, or shaping them differently, silently changes the
+output distribution (transformers #47932).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class SamplingParamsError(ValueError):
+    """Invalid temperature / top_k / top_p."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        t, k, p = self.temperature, self.top_k, self.top_p
+        if not isinstance(t, (int, float)) or not np.isfinite(t) or t < 0:
+            raise SamplingParamsError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+            raise SamplingParamsError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
+        if not isinstance(p, (int, float)) or not np.isfinite(p) or not 0 < p <= 1:
+            raise SamplingParamsError(f"top_p must be in (0, 1] (1 = off), got {p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Rows of logits [n, V] -> processed probabilities [n, V] (float64, rows sum to 1)."""
+    x = np.asarray(logits, dtype=np.float64) / params.temperature
+    n, v = x.shape
+    if 0 < params.top_k < v:
+        kth = np.partition(x, v - params.top_k, axis=-1)[:, v - params.top_k][:, None]
+        x = np.where(x >= kth, x, -np.inf)
+    x = x - x.max(axis=-1, keepdims=True)
+    probs = np.exp(x)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    if params.top_p < 1.0:
+        order = np.argsort(-probs, axis=-1, kind="stable")
+        sorted_p = np.take_along_axis(probs, order, axis=-1)
+        cum = np.cumsum(sorted_p, axis=-1)
+        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        keep_sorted = (cum - sorted_p) < params.top_p
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, axis=-1)
+        probs = np.where(keep, probs, 0.0)
+        probs /= probs.sum(axis=-1, keepdims=True)
+    return probs
+
+
+def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """One draw from a probability vector (inverse CDF; faster than rng.choice)."""
+    cdf = np.cumsum(probs)
+    idx = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    return min(idx, len(probs) - 1)
+
+
+def accept_chain_sampled(p: np.ndarray, q: np.ndarray | None, drafts: list[int],
+                         rng: np.random.Generator) -> tuple[int, int]:
+    """Speculative sampling over a chain.
+
+    p: target probabilities [k+1, V]; q: draft probabilities [k, V] (None: the drafter is
+    deterministic, i.e. q is a point mass on each draft token). Returns (accepted count, next
+    token): the next token is drawn from the residual max(0, p - q) at the first rejection, or
+    from p[k] when every draft token is accepted.
+    """
+    for i, d in enumerate(drafts):
+        pi = p[i]
+        qd = 1.0 if q is None else q[i, d]
+        if qd > 0 and rng.random() * qd < pi[d]:
+            continue
+        if q is None:
+            residual = pi.copy()
+            residual[d] = 0.0
+        else:
+            residual = np.maximum(pi - q[i], 0.0)
+        total = residual.sum()
+        return i, sample(residual if total > 0 else pi, rng)
+    return len(drafts), sample(p[len(drafts)], rng)
+
+
+def accept_chain_greedy(target_argmax: np.ndarray, drafts: list[int]) -> tuple[int, int]:
+    """Accept while the draft equals the target's argmax; then the target's own token."""
+    n = 0
+    for d in drafts:
+        if target_argmax[n] != d:
+            break
+        n += 1
+    return n, int(target_argmax[n])

@@ -1,0 +1,73 @@
+"""Per-call statistics of a generation."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    target_calls: int = 0  # verify / decode calls after prefill
+    draft_calls: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    per_position_proposed: list[int] = field(default_factory=list)
+    per_position_accepted: list[int] = field(default_factory=list)
+    time_prefill: float = 0.0
+    time_draft: float = 0.0
+    time_verify: float = 0.0
+    time_total: float = 0.0
+    drafter: str | None = None
+    speculation: str = "chain"
+    num_draft_tokens: int | str = 0
+    draft_lengths: list[int] = field(default_factory=list)
+
+    def record(self, proposed: int, accepted: int) -> None:
+        while len(self.per_position_proposed) < proposed:
+            self.per_position_proposed.append(0)
+            self.per_position_accepted.append(0)
+        for i in range(proposed):
+            self.per_position_proposed[i] += 1
+            if i < accepted:
+                self.per_position_accepted[i] += 1
+        self.proposed += proposed
+        self.accepted += accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def tokens_per_target_call(self) -> float:
+        decoded = self.new_tokens - 1  # the first token comes from prefill
+        return decoded / self.target_calls if self.target_calls else 0.0
+
+    @property
+    def time_overhead(self) -> float:
+        return max(0.0, self.time_total - self.time_prefill - self.time_draft - self.time_verify)
+
+    @property
+    def overhead_share(self) -> float:
+        decode = self.time_total - self.time_prefill
+        return self.time_overhead / decode if decode > 0 else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.time_total if self.time_total > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        decode = self.time_total - self.time_prefill
+        return (self.new_tokens - 1) / decode if decode > 0 and self.new_tokens > 1 else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / p if p else 0.0 for a, p in zip(self.per_position_accepted, self.per_position_proposed)]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for name in ("acceptance_rate", "tokens_per_target_call", "time_overhead", "overhead_share",
+                     "tokens_per_second", "decode_tokens_per_second", "per_position_acceptance"):
+            d[name] = getattr(self, name)
+        return d
