@@ -47,3 +47,59 @@ def make_checkpoint(config, out_dir: Path, seed: int = 0) -> Path:
     model.eval().save_pretrained(str(out_dir))
     make_tokenizer(config.vocab_size, out_dir)
     return out_dir
+
+
+def make_wordlevel_tokenizer(vocab_size: int, out_dir: Path) -> None:
+    """A word-level tokenizer "t0".."t{V-1}" for tiny-vocabulary models (sampling tests)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t1"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+
+
+def make_tiny_vocab_checkpoint(config, out_dir: Path, seed: int = 0, scale: float = 0.3) -> Path:
+    """Random model over a tiny vocabulary with a word-level tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, scale)
+    model.eval().save_pretrained(str(out_dir))
+    make_wordlevel_tokenizer(config.vocab_size, out_dir)
+    return out_dir
+
+
+def llama_config(vocab_size=320, hidden=64, layers=2, heads=4, kv_heads=2, inter=128, max_pos=256):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=inter,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                       max_position_embeddings=max_pos, eos_token_id=0, bos_token_id=0, pad_token_id=0)
+
+
+def make_perturbed_copy(src: Path, out_dir: Path, noise: float, seed: int = 7) -> Path:
+    """The ``src`` checkpoint with Gaussian noise on its weights: a draft that agrees partly."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.add_(torch.randn_like(p) * noise)
+    model.eval().save_pretrained(str(out_dir))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, out_dir / name)
+    return out_dir

@@ -122,6 +122,19 @@ def _rope_tables(model, rotary_dim: int, max_positions: int) -> tuple[np.ndarray
     return cos[:, :half].copy(), sin[:, :half].copy()
 
 
+def _partial_rotary_factor(cfg) -> float:
+    """Fraction of head_dim that is rotated: config attribute (transformers 4.x, Phi-3) or
+    ``rope_parameters`` / ``rope_scaling`` (transformers 5.x), or GPT-NeoX's legacy ``rotary_pct``."""
+    for value in (getattr(cfg, "partial_rotary_factor", None), getattr(cfg, "rotary_pct", None)):
+        if value is not None:
+            return float(value)
+    for attr in ("rope_parameters", "rope_scaling"):
+        params = getattr(cfg, attr, None)
+        if isinstance(params, dict) and params.get("partial_rotary_factor") is not None:
+            return float(params["partial_rotary_factor"])
+    return 1.0
+
+
 def _special_tokens(config) -> tuple[list[int], int | None, int | None]:
     eos = getattr(config, "eos_token_id", None)
     gen = getattr(config, "generation_config", None)
@@ -155,8 +168,7 @@ def _llama_like(model, family: str, max_positions: int) -> tuple[ArchSpec, Model
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    partial = getattr(cfg, "partial_rotary_factor", 1.0) or 1.0
-    rotary_dim = int(head_dim * partial)
+    rotary_dim = int(head_dim * _partial_rotary_factor(cfg))
     act = getattr(cfg, "hidden_activation", None) or cfg.hidden_act
     if family == "gemma":
         act = "gelu_pytorch_tanh" if act in ("gelu", "gelu_pytorch_tanh") else act
@@ -295,10 +307,7 @@ def _gpt_neox(model, family: str, max_positions: int) -> tuple[ArchSpec, ModelWe
     inner = model.gpt_neox
     hidden, heads = cfg.hidden_size, cfg.num_attention_heads
     head_dim = hidden // heads
-    pct = getattr(cfg, "rotary_pct", None)
-    if pct is None:
-        pct = getattr(cfg, "partial_rotary_factor", 1.0)
-    rotary_dim = int(head_dim * pct)
+    rotary_dim = int(head_dim * _partial_rotary_factor(cfg))
     eos, bos, pad = _special_tokens(cfg)
     spec = ArchSpec(
         family=family, vocab_size=cfg.vocab_size, hidden_size=hidden,
@@ -313,11 +322,13 @@ def _gpt_neox(model, family: str, max_positions: int) -> tuple[ArchSpec, ModelWe
     for layer in inner.layers:
         att = layer.attention
         w = _np(att.query_key_value.weight)  # [3*hidden, hidden], rows per head: q, k, v
-        b = _np(att.query_key_value.bias)
+        b = _np(att.query_key_value.bias)  # None when attention_bias=False
         w = w.reshape(heads, 3, head_dim, hidden)
-        b = b.reshape(heads, 3, head_dim)
         q_w, k_w, v_w = (w[:, i].reshape(heads * head_dim, hidden).T.copy() for i in range(3))
-        q_b, k_b, v_b = (b[:, i].reshape(-1).copy() for i in range(3))
+        q_b = k_b = v_b = None
+        if b is not None:
+            b = b.reshape(heads, 3, head_dim)
+            q_b, k_b, v_b = (b[:, i].reshape(-1).copy() for i in range(3))
         o_w, o_b = _lin(att.dense)
         up_w, up_b = _lin(layer.mlp.dense_h_to_4h)
         down_w, down_b = _lin(layer.mlp.dense_4h_to_h)
@@ -330,7 +341,9 @@ def _gpt_neox(model, family: str, max_positions: int) -> tuple[ArchSpec, ModelWe
                 up_w=up_w, up_b=up_b, down_w=down_w, down_b=down_b,
             )
         )
-    lm_w, lm_b = _lin(model.embed_out)
+    # transformers 4.x calls the output projection embed_out, 5.x lm_head
+    lm_head = model.embed_out if hasattr(model, "embed_out") else model.lm_head
+    lm_w, lm_b = _lin(lm_head)
     cos, sin = _rope_tables(model, rotary_dim, max_positions)
     weights = ModelWeights(
         embed=_np(inner.embed_in.weight), lm_head=lm_w, lm_head_b=lm_b,

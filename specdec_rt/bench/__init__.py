@@ -1,0 +1,1 @@
+"""Benchmarks: specdec-rt against peer systems on the same checkpoints and prompts."""

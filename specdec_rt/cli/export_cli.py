@@ -1,0 +1,61 @@
+"""``specdec-export``: Hugging Face checkpoints -> validated verify graphs + bundle."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specdec_rt.cli.common import fail
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="specdec-export",
+        description="Export a target (and draft) Hugging Face checkpoint folder into a specdec-rt bundle.",
+    )
+    ap.add_argument("--target", required=True, help="target checkpoint folder (config.json + weights)")
+    ap.add_argument("--draft", default=None, help="draft checkpoint folder (optional)")
+    ap.add_argument("--out", required=True, help="bundle directory to write")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "fp16"], help="graph dtype (default fp32)")
+    ap.add_argument("--quantize", default=None, choices=["int8", "int4"],
+                    help="weight-only MatMulNBits quantization")
+    ap.add_argument("--quantize-models", default="target,draft",
+                    help="which models --quantize applies to (default: target,draft)")
+    ap.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17; JetPack 6 runs <= 18)")
+    ap.add_argument("--max-context", type=int, default=None, help="max positions (default: model's, capped at 4096)")
+    ap.add_argument("--portable", action="store_true",
+                    help="standard ONNX ops only (no com.microsoft contrib ops), e.g. for TensorRT")
+    ap.add_argument("--trt", action="store_true", help="also build native TensorRT engines (needs tensorrt)")
+    ap.add_argument("--no-validate", action="store_true", help="skip the ORT-vs-PyTorch validation")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def run() -> int:
+        from specdec_rt.export.pipeline import ExportOptions, export_pair
+
+        opts = ExportOptions(
+            dtype=args.dtype, quantize=args.quantize,
+            quantize_roles=tuple(r.strip() for r in args.quantize_models.split(",") if r.strip()),
+            opset=args.opset, max_context=args.max_context, portable=args.portable or args.trt,
+            validate=not args.no_validate, progress=not args.quiet,
+        )
+        manifest = export_pair(args.target, args.draft, args.out, opts)
+        if args.trt:
+            from specdec_rt.export.tensorrt import build_engines
+
+            build_engines(args.out)
+        summary = {role: {k: m[k] for k in ("family", "num_parameters", "num_nodes", "size_bytes", "quantization")}
+                   | {"max_logit_error": m["validation"].get("max_logit_error")}
+                   for role, m in manifest["models"].items()}
+        print(json.dumps({"bundle": args.out, "export_seconds": manifest["export_seconds"], "models": summary}, indent=2))
+        return 0
+
+    return fail(run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

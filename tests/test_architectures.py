@@ -1,0 +1,249 @@
+"""Every supported family exports, validates against PyTorch and decodes greedily exactly.
+
+For each family a tiny random-weight checkpoint (2 layers, hidden 64, vocab 320) is built from its
+transformers config, exported with the fused op set (target + the same checkpoint as draft) and,
+for most families, with the portable op set. The exporter validates every graph against PyTorch
+(prefill, chain verify, decode, tree); the tests then check that greedy decoding through the
+runtime reproduces ``transformers``' own ``generate`` token for token, and that a draft identical
+to the target is accepted 100% of the time. The last tests cover inputs the exporter must refuse.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from helpers import make_checkpoint, make_tokenizer  # noqa: E402
+
+VOCAB = 320
+NEW_TOKENS = 24
+MAX_ERROR = 1e-3
+PROMPTS = [[5, 17, 42, 99, 3], [200, 201, 202, 7, 7, 7, 9, 310], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
+COMMON = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+LLAMA_LIKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=256, **COMMON)
+
+
+def _config(name: str):
+    import transformers as tf
+
+    if name == "llama":  # GQA 4:2
+        return tf.LlamaConfig(num_key_value_heads=2, **LLAMA_LIKE)
+    if name == "mistral":
+        return tf.MistralConfig(num_key_value_heads=2, sliding_window=None, **LLAMA_LIKE)
+    if name == "qwen2":  # q/k/v biases are always on in Qwen2
+        return tf.Qwen2Config(num_key_value_heads=2, **LLAMA_LIKE)
+    if name == "qwen3":  # per-head q/k RMSNorm, head_dim (24) independent of hidden / heads (16)
+        return tf.Qwen3Config(num_key_value_heads=2, head_dim=24, **LLAMA_LIKE)
+    if name == "gemma":  # MQA, head_dim 32 != 64 / 4, (1 + w) norms, sqrt(hidden) embedding scale
+        return tf.GemmaConfig(num_key_value_heads=1, head_dim=32, hidden_activation="gelu_pytorch_tanh",
+                              **LLAMA_LIKE)
+    if name == "phi3":  # fused qkv / gate_up, half of each head rotated
+        return tf.Phi3Config(num_key_value_heads=2, partial_rotary_factor=0.5,
+                             original_max_position_embeddings=256, **LLAMA_LIKE)
+    if name == "gpt2":  # learned positions, Conv1D, LayerNorm with bias
+        return tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=256, **COMMON)
+    if name in ("gpt_neox", "gpt_neox_sequential"):  # per-head fused qkv, a quarter of each head rotated
+        return tf.GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, rotary_pct=0.25, max_position_embeddings=256,
+                                use_parallel_residual=(name == "gpt_neox"), **COMMON)
+    raise KeyError(name)
+
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "gpt_neox", "gpt_neox_sequential"]
+PORTABLE = ["llama", "qwen3", "gemma", "phi3", "gpt2", "gpt_neox"]
+
+
+class _Store:
+    """Checkpoints, bundles, loaded generators and reference outputs, each built once."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._cache: dict = {}
+
+    def _once(self, key, build):
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    def checkpoint(self, name: str) -> Path:
+        return self._once(("ckpt", name), lambda: make_checkpoint(_config(name), self.root / f"ckpt_{name}"))
+
+    def manifest(self, name: str, portable: bool = False) -> tuple[Path, dict]:
+        """Fused: target and draft (the same checkpoint); portable: target only."""
+        from specdec_rt.export.pipeline import ExportOptions, export_pair
+
+        def build():
+            ckpt = self.checkpoint(name)
+            out = self.root / f"bundle_{name}_{'portable' if portable else 'fused'}"
+            manifest = export_pair(ckpt, None if portable else ckpt, out,
+                                   ExportOptions(progress=False, portable=portable))
+            return out, manifest
+
+        return self._once(("bundle", name, portable), build)
+
+    def generator(self, name: str):
+        import specdec_rt
+
+        return self._once(("gen", name), lambda: specdec_rt.load(self.manifest(name)[0], threads=1))
+
+    def reference(self, name: str, prompt: list[int]) -> list[int]:
+        """transformers' own greedy continuation (never stopping at EOS)."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        def model():
+            return AutoModelForCausalLM.from_pretrained(str(self.checkpoint(name)), dtype=torch.float32).eval()
+
+        def build():
+            m = self._once(("hf", name), model)
+            with torch.no_grad():
+                out = m.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+            ids = out[0, len(prompt):].tolist()
+            assert len(ids) == NEW_TOKENS
+            return ids
+
+        return self._once(("ref", name, tuple(prompt)), build)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> _Store:
+    return _Store(tmp_path_factory.mktemp("architectures"))
+
+
+def _check_validation(info: dict) -> None:
+    v = info["validation"]
+    assert v, "the export did not validate"
+    assert v["max_logit_error"] < MAX_ERROR, v
+    assert v["max_kv_error"] < MAX_ERROR, v
+    assert v["decode_vs_verify_error"] < MAX_ERROR, v
+    assert v["tree_error"] < MAX_ERROR, v
+    assert v["top1_agreement"] == 1.0, v
+
+
+# -- export + validation ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_fused_export_validates(store, name):
+    _, manifest = store.manifest(name)
+    cfg = _config(name)
+    for role in ("target", "draft"):
+        info = manifest["models"][role]
+        assert info["family"] == cfg.model_type
+        assert info["num_layers"] == 2 and info["vocab_size"] == VOCAB
+        assert info["fused_ops"] is True
+        _check_validation(info)
+
+
+@pytest.mark.parametrize("name", PORTABLE)
+def test_portable_export_validates(store, name):
+    import onnx
+
+    out, manifest = store.manifest(name, portable=True)
+    info = manifest["models"]["target"]
+    assert info["fused_ops"] is False
+    _check_validation(info)
+    graph = onnx.load(str(out / info["graph"]), load_external_data=False).graph
+    assert {n.domain for n in graph.node} <= {"", "ai.onnx"}, "portable graph uses contrib ops"
+    fused_nodes = store.manifest(name)[1]["models"]["target"]["num_nodes"]
+    assert fused_nodes < info["num_nodes"]
+
+
+# -- greedy exactness end to end ----------------------------------------------------------------
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_greedy_matches_transformers(store, name):
+    gen = store.generator(name)
+    for prompt in PROMPTS:
+        ours = gen.generate_ids(prompt, max_new_tokens=NEW_TOKENS, drafter=None, ignore_eos=True)
+        assert ours == store.reference(name, prompt), prompt
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_self_draft_accepts_everything(store, name, k):
+    gen = store.generator(name)
+    for prompt in PROMPTS:
+        ours = gen.generate_ids(prompt, max_new_tokens=NEW_TOKENS, drafter="model", num_draft_tokens=k,
+                                ignore_eos=True)
+        assert ours == store.reference(name, prompt), prompt
+        assert gen.last_stats.proposed > 0
+        assert gen.last_stats.acceptance_rate == 1.0, (prompt, gen.last_stats.accepted, gen.last_stats.proposed)
+
+
+# -- inputs the exporter refuses --------------------------------------------------------------------
+
+def test_unsupported_model_type_in_config(tmp_path):
+    from specdec_rt.export.arch import SUPPORTED_FAMILIES, UnsupportedArchitectureError
+    from specdec_rt.export.pipeline import ExportOptions, export_pair
+
+    ckpt = tmp_path / "bert"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
+    with pytest.raises(UnsupportedArchitectureError) as err:
+        export_pair(ckpt, None, tmp_path / "out", ExportOptions(progress=False))
+    msg = str(err.value)
+    assert "'bert'" in msg
+    assert all(f in msg for f in SUPPORTED_FAMILIES)
+
+
+def test_unsupported_loaded_model(tmp_path):
+    """An OPT checkpoint: refused before loading, and by the extractor if it gets a loaded one."""
+    import torch
+    from transformers import AutoModelForCausalLM, OPTConfig
+
+    from specdec_rt.export.arch import SUPPORTED_FAMILIES, UnsupportedArchitectureError, extract
+    from specdec_rt.export.pipeline import ExportOptions, export_pair
+
+    cfg = OPTConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, ffn_dim=32, num_attention_heads=2,
+                    word_embed_proj_dim=16, max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+                    pad_token_id=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with pytest.raises(UnsupportedArchitectureError) as err:
+        extract(model, 64)
+    assert "'opt'" in str(err.value) and all(f in str(err.value) for f in SUPPORTED_FAMILIES)
+
+    ckpt = make_checkpoint(cfg, tmp_path / "opt")
+    with pytest.raises(UnsupportedArchitectureError, match="'opt' is not supported; supported: llama"):
+        export_pair(ckpt, None, tmp_path / "out", ExportOptions(progress=False))
+
+
+def test_missing_folder(tmp_path):
+    from specdec_rt.export.pipeline import ExportError, ExportOptions, export_pair
+
+    missing = tmp_path / "no_such_checkpoint"
+    with pytest.raises(ExportError) as err:
+        export_pair(missing, None, tmp_path / "out", ExportOptions(progress=False))
+    assert str(missing) in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_corrupt_config(tmp_path):
+    from specdec_rt.export.pipeline import ExportError, ExportOptions, export_pair
+
+    ckpt = tmp_path / "broken"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"model_type": "llama", "hidden_size": 64,')  # truncated
+    with pytest.raises(ExportError, match="not valid JSON"):
+        export_pair(ckpt, None, tmp_path / "out", ExportOptions(progress=False))
+
+
+def test_mismatched_vocabularies(store, tmp_path):
+    import shutil
+
+    from specdec_rt.export.pipeline import ExportError, ExportOptions, export_pair
+
+    target = store.checkpoint("llama")
+    draft = tmp_path / "draft"
+    shutil.copytree(target, draft)
+    (draft / "tokenizer.json").unlink()
+    make_tokenizer(300, draft)  # the draft's tokenizer was trained with a smaller vocabulary
+    with pytest.raises(ExportError, match="vocabularies do not match") as err:
+        export_pair(target, draft, tmp_path / "out", ExportOptions(progress=False))
+    assert "target has 320 tokens, draft has 300" in str(err.value)

@@ -1,0 +1,107 @@
+"""Greedy speculative output == target-only greedy == transformers' own greedy generate."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+PROMPTS = [[5, 17, 42, 99, 3], [200, 201, 202, 7, 7, 7, 9, 310], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
+
+
+def hf_greedy(ckpt, prompt, n):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_target_only_matches_transformers(tiny_pair, tiny_gen, prompt):
+    ours = tiny_gen.generate_ids(prompt, max_new_tokens=32, drafter=None, ignore_eos=True)
+    assert ours == hf_greedy(tiny_pair["target"], prompt, 32)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_speculative_greedy_is_exact(tiny_gen, prompt, k):
+    base = tiny_gen.generate_ids(prompt, max_new_tokens=40, drafter=None, ignore_eos=True)
+    spec = tiny_gen.generate_ids(prompt, max_new_tokens=40, num_draft_tokens=k, ignore_eos=True)
+    assert spec == base
+    stats = tiny_gen.last_stats
+    assert stats.proposed > 0
+    assert stats.new_tokens == 40
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_prompt_lookup_greedy_is_exact(tiny_gen, prompt):
+    base = tiny_gen.generate_ids(prompt, max_new_tokens=40, drafter=None, ignore_eos=True)
+    spec = tiny_gen.generate_ids(prompt, max_new_tokens=40, drafter="prompt_lookup", num_draft_tokens=3,
+                                 ignore_eos=True)
+    assert spec == base
+
+
+def test_identical_draft_accepts_everything(tiny_pair):
+    import specdec_rt
+
+    gen = specdec_rt.load(tiny_pair["bundle_same"], threads=1)
+    for k in (1, 3, 8):
+        base = gen.generate_ids(PROMPTS[0], max_new_tokens=30, drafter=None, ignore_eos=True)
+        spec = gen.generate_ids(PROMPTS[0], max_new_tokens=30, num_draft_tokens=k, ignore_eos=True)
+        assert spec == base
+        assert gen.last_stats.acceptance_rate == 1.0
+        assert all(r == 1.0 for r in gen.last_stats.per_position_acceptance)
+
+
+def test_rollback_leaves_cache_equal_to_fresh_prefill(tiny_pair, tiny_gen):
+    """After many accept/reject rounds, the committed cache equals a fresh prefill's."""
+    from specdec_rt.runtime.engine import causal_mask
+
+    prompt = PROMPTS[1]
+    out = tiny_gen.generate_ids(prompt, max_new_tokens=48, num_draft_tokens=4, ignore_eos=True)
+    stats = tiny_gen.last_stats
+    assert 0 < stats.accepted < stats.proposed  # both accepts and rejects happened
+    tokens = prompt + out
+    target = tiny_gen.target
+    assert target.length == len(tokens) - 1
+    spec_cache = [target.cache.read(l, 0, target.length) for l in range(target.info.num_layers)]
+    draft = tiny_gen.draft_engine
+    draft_len = draft.length
+    draft_cache = [draft.cache.read(l, 0, draft_len) for l in range(draft.info.num_layers)]
+
+    for eng, cached, n in ((target, spec_cache, target.length), (draft, draft_cache, draft_len)):
+        eng.reset()
+        pos = np.arange(n)
+        eng.forward(np.asarray(tokens[:n]), pos, causal_mask(0, pos))
+        eng.commit(n)
+        for layer, (k, v) in enumerate(cached):
+            fk, fv = eng.cache.read(layer, 0, n)
+            np.testing.assert_allclose(k, fk, atol=1e-5)
+            np.testing.assert_allclose(v, fv, atol=1e-5)
+
+
+def test_stream_commits_the_same_tokens(tiny_gen):
+    from specdec_rt.runtime.generator import GenerationResult
+    from specdec_rt.runtime.stats import GenerationStats
+
+    prompt = "def add(a, b):\n    return"
+    result = tiny_gen.generate(prompt, max_new_tokens=24, ignore_eos=True)
+    streamed = GenerationResult("", [], GenerationStats())
+    pieces = list(tiny_gen.stream(prompt, max_new_tokens=24, ignore_eos=True, result=streamed))
+    assert streamed.token_ids == result.token_ids
+    assert "".join(pieces) == streamed.text
+    assert pieces
+
+
+def test_stop_string_and_eos(tiny_gen):
+    first = tiny_gen.generate("x = 1", max_new_tokens=20, ignore_eos=True)
+    assert first.finish_reason == "length"
+    # stop at a string known to occur in the completion
+    text = first.text
+    stop = text[3:6] if len(text) >= 6 else text[:1]
+    res = tiny_gen.generate("x = 1", max_new_tokens=20, ignore_eos=True, stop=[stop])
+    assert res.finish_reason == "stop"
+    assert stop not in res.text
+    assert text.startswith(res.text)
