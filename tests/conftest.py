@@ -47,3 +47,11 @@ def tiny_gen(tiny_pair):
     import specdec_rt
 
     return specdec_rt.load(tiny_pair["bundle"], threads=1)
+
+
+@pytest.fixture(scope="session", params=["views", "io_binding"])
+def any_gen(request, tiny_pair):
+    """The tiny pair through both host feeding strategies (IO binding is the GPU path)."""
+    import specdec_rt
+
+    return specdec_rt.load(tiny_pair["bundle"], threads=1, io_binding=request.param == "io_binding")

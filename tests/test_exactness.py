@@ -26,11 +26,11 @@ def test_target_only_matches_transformers(tiny_pair, tiny_gen, prompt):
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_speculative_greedy_is_exact(tiny_gen, prompt, k):
-    base = tiny_gen.generate_ids(prompt, max_new_tokens=40, drafter=None, ignore_eos=True)
-    spec = tiny_gen.generate_ids(prompt, max_new_tokens=40, num_draft_tokens=k, ignore_eos=True)
+def test_speculative_greedy_is_exact(any_gen, prompt, k):
+    base = any_gen.generate_ids(prompt, max_new_tokens=40, drafter=None, ignore_eos=True)
+    spec = any_gen.generate_ids(prompt, max_new_tokens=40, num_draft_tokens=k, ignore_eos=True)
     assert spec == base
-    stats = tiny_gen.last_stats
+    stats = any_gen.last_stats
     assert stats.proposed > 0
     assert stats.new_tokens == 40
 
@@ -55,11 +55,12 @@ def test_identical_draft_accepts_everything(tiny_pair):
         assert all(r == 1.0 for r in gen.last_stats.per_position_acceptance)
 
 
-def test_rollback_leaves_cache_equal_to_fresh_prefill(tiny_pair, tiny_gen):
+def test_rollback_leaves_cache_equal_to_fresh_prefill(tiny_pair, any_gen):
     """After many accept/reject rounds, the committed cache equals a fresh prefill's."""
     from specdec_rt.runtime.engine import causal_mask
 
     prompt = PROMPTS[1]
+    tiny_gen = any_gen
     out = tiny_gen.generate_ids(prompt, max_new_tokens=48, num_draft_tokens=4, ignore_eos=True)
     stats = tiny_gen.last_stats
     assert 0 < stats.accepted < stats.proposed  # both accepts and rejects happened
