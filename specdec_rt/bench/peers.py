@@ -33,6 +33,7 @@ installed package: the builder, the ``GeneratorParams`` bindings and the strings
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -44,8 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["PeerRun", "PeerUnavailable", "run_transformers", "build_ortgenai_model", "run_ortgenai",
-           "make_ortgenai_spec_dir", "available_peers"]
+__all__ = ["PeerRun", "PeerUnavailable", "run_transformers", "build_ortgenai_model", "build_ortgenai_models",
+           "run_ortgenai", "make_ortgenai_spec_dir", "available_peers"]
 
 _WARMUP_TOKENS = 8
 # Counters of Generator.get_speculative_stats() copied to PeerRun.extra (the full dict goes under
@@ -170,9 +171,15 @@ def run_transformers(target_dir, prompts: list[list[int]], max_new_tokens: int, 
                 seconds = time.perf_counter() - t0
                 extra = {"target_forwards": counts["target"]}
                 if draft is not None:
-                    rounds = max(counts["target"] - 1, 0)  # first target call also emits a token
-                    extra.update(num_draft_tokens=int(num_draft_tokens), draft_forwards=counts["draft"],
-                                 rounds=rounds)
+                    # every target forward is one verify round (the first also does the prefill) and
+                    # emits its accepted drafts plus one target token; every draft forward emits one
+                    # proposed token (the first also does the draft's prefill)
+                    rounds = counts["target"]
+                    extra.update(num_draft_tokens=int(num_draft_tokens), rounds=rounds,
+                                 draft_forwards=counts["draft"], proposed=counts["draft"],
+                                 accepted=max(len(tokens) - rounds, 0))
+                    if counts["draft"]:
+                        extra["acceptance_rate"] = extra["accepted"] / counts["draft"]
                 runs.append(_make_run(system, tokens, seconds, extra))
             return runs
         finally:
@@ -210,45 +217,72 @@ def build_ortgenai_model(hf_dir, out_dir, precision: str = "fp32", execution_pro
                          extra_options: dict | None = None, timeout: float | None = None) -> Path:
     """Export an HF checkpoint folder with onnxruntime-genai's model builder (offline).
 
-    Runs ``python -m onnxruntime_genai.models.builder -i HF_DIR -o OUT -p PRECISION -e EP`` in a
-    subprocess with the hub switched off (``-i`` reads the local folder, ``-m`` is not passed).
+    Runs ``python -m onnxruntime_genai.models.builder -i HF_DIR -o OUT -p PRECISION -e EP -c CACHE``
+    in a subprocess with the hub switched off (``-i`` reads the local folder; ``-m`` is not passed).
     Cached: nothing is done when ``out_dir/genai_config.json`` exists and is newer than the
     checkpoint's files. The export goes to a temporary sibling folder that replaces ``out_dir`` only
     when the builder succeeded, so an interrupted build never looks cached.
     """
-    hf_dir = Path(hf_dir).resolve()
-    out_dir = Path(out_dir).resolve()
-    if not (hf_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{hf_dir} has no config.json (expected a Hugging Face checkpoint folder)")
-    cfg = out_dir / "genai_config.json"
-    if cfg.is_file() and cfg.stat().st_mtime >= _newest_input_mtime(hf_dir):
-        return out_dir
-    try:
-        importlib.import_module("onnxruntime_genai.models.builder")
-    except Exception as e:
-        raise PeerUnavailable(f"onnxruntime-genai model builder is not importable: {e!r}") from e
+    return build_ortgenai_models([(hf_dir, out_dir)], precision, execution_provider, extra_options, timeout)[0]
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
+
+# Runs the builder's command line once per job in ONE interpreter: the builder's imports (torch,
+# transformers, onnx: ~7 s) are paid once, and only the CLI contract is relied on.
+_BUILD_DRIVER = """
+import json, runpy, sys
+for argv in json.loads(sys.argv[1]):
+    sys.argv = ["builder"] + argv
+    print("### building", argv, flush=True)
+    runpy.run_module("onnxruntime_genai.models.builder", run_name="__main__", alter_sys=True)
+"""
+
+
+def build_ortgenai_models(jobs: Sequence[tuple], precision: str = "fp32", execution_provider: str = "cpu",
+                          extra_options: dict | None = None, timeout: float | None = None) -> list[Path]:
+    """:func:`build_ortgenai_model` for several ``(hf_dir, out_dir)`` pairs in one builder process."""
+    todo, outs, tmps = [], [], []
+    for hf_dir, out_dir in jobs:
+        hf_dir, out_dir = Path(hf_dir).resolve(), Path(out_dir).resolve()
+        outs.append(out_dir)
+        if not (hf_dir / "config.json").is_file():
+            raise FileNotFoundError(f"{hf_dir} has no config.json (expected a Hugging Face checkpoint folder)")
+        cfg = out_dir / "genai_config.json"
+        if cfg.is_file() and cfg.stat().st_mtime >= _newest_input_mtime(hf_dir):
+            continue
+        todo.append((hf_dir, out_dir))
+    if not todo:
+        return outs
+    if importlib.util.find_spec("onnxruntime_genai.models.builder") is None:
+        raise PeerUnavailable("onnxruntime-genai's model builder (onnxruntime_genai.models.builder) is missing")
+
+    argvs = []
     try:
-        cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir),
-               "-o", str(tmp / "model"), "-p", precision, "-e", execution_provider,
-               "-c", str(tmp / "cache")]
-        if extra_options:
-            cmd += ["--extra_options"] + [f"{k}={_extra_value(v)}" for k, v in extra_options.items()]
+        for hf_dir, out_dir in todo:
+            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
+            tmps.append(tmp)
+            argv = ["-i", str(hf_dir), "-o", str(tmp / "model"), "-p", precision, "-e", execution_provider,
+                    "-c", str(tmp / "cache")]
+            if extra_options:
+                argv += ["--extra_options"] + [f"{k}={_extra_value(v)}" for k, v in extra_options.items()]
+            argvs.append(argv)
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                    TQDM_DISABLE="1")
         # cwd: a neutral folder, so nothing in the caller's cwd shadows an import
-        proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0 or not (tmp / "model" / "genai_config.json").is_file():
-            tail = (proc.stdout + proc.stderr)[-4000:]
-            raise RuntimeError(f"onnxruntime-genai builder failed (rc={proc.returncode}) for {hf_dir}:\n{tail}")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp / "model", out_dir)
+        proc = subprocess.run([sys.executable, "-c", _BUILD_DRIVER, json.dumps(argvs)], cwd=tmps[0], env=env,
+                              capture_output=True, text=True, timeout=timeout)
+        for (hf_dir, out_dir), tmp in zip(todo, tmps):
+            if proc.returncode != 0 or not (tmp / "model" / "genai_config.json").is_file():
+                tail = (proc.stdout + proc.stderr)[-4000:]
+                raise RuntimeError(f"onnxruntime-genai builder failed (rc={proc.returncode}) for {hf_dir}:\n{tail}")
+        for (hf_dir, out_dir), tmp in zip(todo, tmps):
+            if out_dir.exists():
+                shutil.rmtree(out_dir)
+            os.replace(tmp / "model", out_dir)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+        for tmp in tmps:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return outs
 
 
 def _extra_value(v) -> str:
@@ -400,10 +434,11 @@ def available_peers() -> dict[str, str | None]:
     try:
         og = _import_genai()
         reason = None
-        try:
-            importlib.import_module("onnxruntime_genai.models.builder")
-        except Exception as e:
-            reason = f"onnxruntime-genai model builder is not importable: {e!r}"
+        # find_spec, not import: importing the builder pulls in torch/transformers/onnx (~10 s)
+        for mod in ("onnxruntime_genai.models.builder", "onnx", "torch", "transformers"):
+            if importlib.util.find_spec(mod) is None:
+                reason = f"onnxruntime-genai's model builder needs {mod!r}, which is not installed"
+                break
         peers["ortgenai"] = reason
         if reason is None and not hasattr(og.GeneratorParams, "set_speculative_options"):
             reason = (f"onnxruntime-genai {getattr(og, '__version__', '?')} has no draft-model speculative "
