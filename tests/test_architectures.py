@@ -39,12 +39,17 @@ def _config(name: str):
         return tf.Qwen2Config(num_key_value_heads=2, **LLAMA_LIKE)
     if name == "qwen3":  # per-head q/k RMSNorm, head_dim (24) independent of hidden / heads (16)
         return tf.Qwen3Config(num_key_value_heads=2, head_dim=24, **LLAMA_LIKE)
-    if name == "gemma":  # MQA, head_dim 32 != 64 / 4, (1 + w) norms, sqrt(hidden) embedding scale
-        return tf.GemmaConfig(num_key_value_heads=1, head_dim=32, hidden_activation="gelu_pytorch_tanh",
-                              **LLAMA_LIKE)
+    if name == "gemma":  # MQA, head_dim 32 != 64 / 4, (1 + w) norms, sqrt(hidden) embedding scale;
+        # activation fields as in the released Gemma configs (legacy "gelu" meaning the tanh form)
+        return tf.GemmaConfig(num_key_value_heads=1, head_dim=32, hidden_act="gelu",
+                              hidden_activation="gelu_pytorch_tanh", **LLAMA_LIKE)
     if name == "phi3":  # fused qkv / gate_up, half of each head rotated
         return tf.Phi3Config(num_key_value_heads=2, partial_rotary_factor=0.5,
                              original_max_position_embeddings=256, **LLAMA_LIKE)
+    if name == "phi3_longrope":  # long/short rope factors switching at 64 positions (Phi-3 128k style)
+        return tf.Phi3Config(num_key_value_heads=2, original_max_position_embeddings=64,
+                             rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                                           "long_factor": [2.0 + i for i in range(8)]}, **LLAMA_LIKE)
     if name == "gpt2":  # learned positions, Conv1D, LayerNorm with bias
         return tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=256, **COMMON)
     if name in ("gpt_neox", "gpt_neox_sequential"):  # per-head fused qkv, a quarter of each head rotated
@@ -54,7 +59,8 @@ def _config(name: str):
     raise KeyError(name)
 
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "gpt_neox", "gpt_neox_sequential"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "phi3_longrope", "gpt2", "gpt_neox",
+            "gpt_neox_sequential"]
 PORTABLE = ["llama", "qwen3", "gemma", "phi3", "gpt2", "gpt_neox"]
 
 
@@ -80,8 +86,12 @@ class _Store:
         def build():
             ckpt = self.checkpoint(name)
             out = self.root / f"bundle_{name}_{'portable' if portable else 'fused'}"
-            manifest = export_pair(ckpt, None if portable else ckpt, out,
-                                   ExportOptions(progress=False, portable=portable))
+            opts = ExportOptions(progress=False, portable=portable)
+            if name == "phi3_longrope":
+                with pytest.warns(UserWarning, match="longrope: max context capped from 256 to 64"):
+                    manifest = export_pair(ckpt, None if portable else ckpt, out, opts)
+            else:
+                manifest = export_pair(ckpt, None if portable else ckpt, out, opts)
             return out, manifest
 
         return self._once(("bundle", name, portable), build)
@@ -152,6 +162,14 @@ def test_portable_export_validates(store, name):
     assert {n.domain for n in graph.node} <= {"", "ai.onnx"}, "portable graph uses contrib ops"
     fused_nodes = store.manifest(name)[1]["models"]["target"]["num_nodes"]
     assert fused_nodes < info["num_nodes"]
+
+
+def test_longrope_context_is_capped_at_the_switch(store):
+    """Beyond original_max_position_embeddings transformers swaps rope factors and recomputes the
+    cache; the bundle stops at the switch, where the short-factor table is exact."""
+    _, manifest = store.manifest("phi3_longrope")
+    assert manifest["max_context"] == 64
+    assert manifest["models"]["target"]["max_positions"] == 64
 
 
 # -- greedy exactness end to end ----------------------------------------------------------------

@@ -157,6 +157,65 @@ def _act_name(hf_act: str) -> str:
     return table[hf_act]
 
 
+def _module_activation(module, declared: str) -> str:
+    """The activation a model's MLP really applies, probed numerically.
+
+    Config fields disagree across transformers versions (Gemma's ``hidden_act`` vs
+    ``hidden_activation``, legacy ``"gelu"`` meaning the tanh approximation), so the module that
+    runs is the authority; the config's name is only the fallback when the probe is inconclusive.
+    """
+    import torch
+
+    act_fn = getattr(module, "act_fn", None) or getattr(module, "act", None)
+    if not callable(act_fn):
+        return _act_name(declared)
+    x = torch.linspace(-6.0, 6.0, 241, dtype=torch.float32)
+    with torch.no_grad():
+        try:
+            y = act_fn(x).float()
+        except Exception:  # noqa: BLE001 - an exotic activation module: trust the config
+            return _act_name(declared)
+    candidates = {
+        "silu": torch.nn.functional.silu(x),
+        "gelu": torch.nn.functional.gelu(x),
+        "gelu_tanh": torch.nn.functional.gelu(x, approximate="tanh"),
+        "relu": torch.relu(x),
+    }
+    for name, ref in candidates.items():
+        if float((y - ref).abs().max()) < 1e-5:
+            return name
+    return _act_name(declared)
+
+
+def _longrope_context(cfg, max_positions: int) -> int:
+    """Cap the context of a long/short-switching rope (Phi-3 ``longrope``) at the switch point.
+
+    transformers uses the *short* factors while the whole sequence fits in
+    ``original_max_position_embeddings`` and the *long* factors for every position once it does
+    not, discarding and recomputing the KV cache at the switch. A graph with one static cos/sin
+    table and a reusable KV cache can only be exact on one side of that switch: the short side,
+    which is what every sequence up to the switch sees.
+    """
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if not isinstance(params, dict):
+        return max_positions
+    rope_type = params.get("rope_type") or params.get("type")
+    if rope_type != "longrope":
+        return max_positions
+    original = params.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings", None)
+    if original and max_positions > int(original):
+        import warnings
+
+        warnings.warn(
+            f"longrope: max context capped from {max_positions} to {int(original)} "
+            "(original_max_position_embeddings); beyond it transformers switches to the long rope "
+            "factors and recomputes the KV cache, which a static rotary table cannot reproduce",
+            stacklevel=2,
+        )
+        return int(original)
+    return max_positions
+
+
 # ---------------------------------------------------------------------------------------------
 # Llama-like families (Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3)
 # ---------------------------------------------------------------------------------------------
@@ -172,6 +231,8 @@ def _llama_like(model, family: str, max_positions: int) -> tuple[ArchSpec, Model
     act = getattr(cfg, "hidden_activation", None) or cfg.hidden_act
     if family == "gemma":
         act = "gelu_pytorch_tanh" if act in ("gelu", "gelu_pytorch_tanh") else act
+    act = _module_activation(inner.layers[0].mlp, act)
+    max_positions = _longrope_context(cfg, max_positions)
     eos, bos, pad = _special_tokens(cfg)
     sliding = getattr(cfg, "sliding_window", None) if family in ("mistral", "qwen2", "qwen3", "phi3") else None
     if family in ("qwen2", "qwen3") and not getattr(cfg, "use_sliding_window", False):
@@ -186,7 +247,7 @@ def _llama_like(model, family: str, max_positions: int) -> tuple[ArchSpec, Model
         head_dim=head_dim,
         norm="rms",
         norm_eps=float(cfg.rms_norm_eps),
-        activation=_act_name(act),
+        activation=act,
         gated_mlp=True,
         positions="rope",
         rotary_dim=rotary_dim,
@@ -266,7 +327,7 @@ def _gpt2(model, family: str, max_positions: int) -> tuple[ArchSpec, ModelWeight
     spec = ArchSpec(
         family=family, vocab_size=cfg.vocab_size, hidden_size=hidden, num_layers=cfg.n_layer,
         num_heads=heads, num_kv_heads=heads, head_dim=head_dim, norm="layer",
-        norm_eps=float(cfg.layer_norm_epsilon), activation=_act_name(cfg.activation_function),
+        norm_eps=float(cfg.layer_norm_epsilon), activation=_module_activation(tr.h[0].mlp, cfg.activation_function),
         gated_mlp=False, positions="learned", max_positions=max_positions,
         attention_scale=None if cfg.scale_attn_weights else 1.0,
         tie_word_embeddings=True, eos_token_ids=eos, bos_token_id=bos, pad_token_id=pad,
@@ -312,7 +373,7 @@ def _gpt_neox(model, family: str, max_positions: int) -> tuple[ArchSpec, ModelWe
     spec = ArchSpec(
         family=family, vocab_size=cfg.vocab_size, hidden_size=hidden,
         num_layers=cfg.num_hidden_layers, num_heads=heads, num_kv_heads=heads, head_dim=head_dim,
-        norm="layer", norm_eps=float(cfg.layer_norm_eps), activation=_act_name(cfg.hidden_act),
+        norm="layer", norm_eps=float(cfg.layer_norm_eps), activation=_module_activation(inner.layers[0].mlp, cfg.hidden_act),
         gated_mlp=False, positions="rope", rotary_dim=rotary_dim,
         parallel_residual=bool(cfg.use_parallel_residual), max_positions=max_positions,
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
