@@ -106,3 +106,43 @@ def test_stop_string_and_eos(tiny_gen):
     assert res.finish_reason == "stop"
     assert stop not in res.text
     assert text.startswith(res.text)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_tree_greedy_is_exact(any_gen, prompt):
+    base = any_gen.generate_ids(prompt, max_new_tokens=40, drafter=None, ignore_eos=True)
+    tree = any_gen.generate_ids(prompt, max_new_tokens=40, speculation="tree", ignore_eos=True)
+    assert tree == base
+
+
+def test_tree_with_identical_draft_accepts_whole_depth(tiny_pair):
+    import specdec_rt
+    gen = specdec_rt.load(tiny_pair["bundle_same"], threads=1)
+    base = gen.generate_ids(PROMPTS[2], max_new_tokens=36, drafter=None, ignore_eos=True)
+    tree = gen.generate_ids(PROMPTS[2], max_new_tokens=36, speculation="tree", ignore_eos=True)
+    assert tree == base
+    # the draft's greedy chain is always in the tree (as deep as the node budget allows) and the
+    # target accepts all of it: far more than one token per call
+    stats = gen.last_stats
+    assert stats.tokens_per_target_call >= 3.0
+    assert stats.tokens_per_target_call >= 1 + max(s for s in [stats.accepted / stats.target_calls])
+
+
+def test_tree_cache_equals_fresh_prefill(any_gen):
+    from specdec_rt.runtime.engine import causal_mask
+
+    prompt = PROMPTS[1]
+    out = any_gen.generate_ids(prompt, max_new_tokens=40, speculation="tree", ignore_eos=True)
+    tokens = prompt + out
+    target = any_gen.target
+    n = target.length
+    assert n == len(tokens) - 1
+    cached = [target.cache.read(l, 0, n) for l in range(target.info.num_layers)]
+    target.reset()
+    pos = np.arange(n)
+    target.forward(np.asarray(tokens[:n]), pos, causal_mask(0, pos))
+    target.commit(n)
+    for layer, (k, v) in enumerate(cached):
+        fk, fv = target.cache.read(layer, 0, n)
+        np.testing.assert_allclose(k, fk, atol=1e-5)
+        np.testing.assert_allclose(v, fv, atol=1e-5)

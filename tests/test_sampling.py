@@ -22,6 +22,8 @@ CONFIGS = [
     dict(temperature=0.8, top_k=5, top_p=1.0, drafter="model", num_draft_tokens=2),
     dict(temperature=1.3, top_k=0, top_p=0.8, drafter="model", num_draft_tokens=3),
     dict(temperature=1.0, top_k=0, top_p=1.0, drafter="prompt_lookup", num_draft_tokens=2),
+    dict(temperature=1.0, top_k=0, top_p=1.0, drafter="model", num_draft_tokens=2, speculation="tree"),
+    dict(temperature=0.8, top_k=6, top_p=0.9, drafter="model", num_draft_tokens=2, speculation="tree"),
 ]
 
 
@@ -69,7 +71,8 @@ def gen(tiny_vocab_pair):
     return specdec_rt.load(tiny_vocab_pair["bundle"], threads=1)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"T{c['temperature']}-k{c['top_k']}-p{c['top_p']}-{c['drafter']}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"T{c['temperature']}-k{c['top_k']}-p{c['top_p']}-"
+                         f"{c['drafter']}-{c.get('speculation', 'chain')}")
 def test_sampled_tokens_follow_target_distribution(tiny_vocab_pair, gen, cfg):
     joint = exact_joint(tiny_vocab_pair["target"], cfg["temperature"], cfg["top_k"], cfg["top_p"])
     v = joint.shape[0]
@@ -78,7 +81,8 @@ def test_sampled_tokens_follow_target_distribution(tiny_vocab_pair, gen, cfg):
     for seed in range(N_RUNS):
         out = gen.generate_ids(PROMPT, max_new_tokens=4, seed=seed, ignore_eos=True,
                                temperature=cfg["temperature"], top_k=cfg["top_k"], top_p=cfg["top_p"],
-                               drafter=cfg["drafter"], num_draft_tokens=cfg["num_draft_tokens"])
+                               drafter=cfg["drafter"], num_draft_tokens=cfg["num_draft_tokens"],
+                               speculation=cfg.get("speculation", "chain"))
         counts[out[0], out[1], out[2]] += 1
         proposed += gen.last_stats.proposed
         rejected += gen.last_stats.proposed - gen.last_stats.accepted

@@ -1,0 +1,262 @@
+"""Token-tree speculation: the draft grows a tree, the target verifies it in one call.
+
+Greedy (dynamic tree, EAGLE-2 style): at each depth the ``beam`` best nodes by cumulative draft
+log-probability are expanded with their top ``width`` children; after ``depth`` levels the best
+``budget`` nodes overall form the tree (ancestor-closed, since a child never scores above its
+parent). Acceptance walks down from the root following the target's argmax, so the output is
+target-only greedy decoding token for token.
+
+Sampling (SpecInfer-style recursive rejection sampling): each expanded node gets ``width``
+i.i.d. draws from the draft's processed distribution q (duplicates share a node, all draws are
+kept), so at every node the candidates are i.i.d. q. Walking down, the candidates are tried in
+draw order: accept x with probability min(1, p'(x)/q(x)), else p' <- norm(max(0, p' - q)); if
+all fail, the token is drawn from p'. Which nodes get expanded may depend on earlier draws (it is
+decided before the node's own draws), which keeps every node's candidates i.i.d. q.
+
+The draft evaluates a whole tree level in one call with a tree mask over its own cache; the
+target's K/V of the accepted path are compacted into consecutive cache slots afterwards.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from specdec_rt.runtime.drafters import ModelDrafter
+from specdec_rt.runtime.engine import NEG_INF, OrtEngine, causal_mask
+from specdec_rt.runtime.sampling import SamplingParams, probabilities, sample
+from specdec_rt.runtime.speculative import LoopConfig, _pick
+from specdec_rt.runtime.stats import GenerationStats
+
+
+@dataclass
+class TreeShape:
+    """Node budget (excluding the root), depth, nodes expanded per level, children per node."""
+
+    budget: int = 15
+    depth: int = 5
+    beam: int = 3
+    width: int = 3
+
+
+@dataclass
+class _Node:
+    token: int
+    parent: int  # index into the node list; -1 for the root
+    depth: int
+    score: float  # cumulative draft log-probability (greedy) or expansion priority (sampling)
+    children: dict[int, int] = field(default_factory=dict)  # token -> node index
+    draws: list[int] = field(default_factory=list)  # sampled candidate tokens, in draw order
+    q: np.ndarray | None = None  # draft distribution at this node (sampling)
+    slot: int = -1  # slot in the draft's cache region for this step
+
+
+class TreeDrafter:
+    """Builds a token tree with the draft model."""
+
+    def __init__(self, drafter: ModelDrafter, shape: TreeShape) -> None:
+        self.d = drafter
+        self.shape = shape
+
+    def build(self, tokens: list[int], params: SamplingParams, rng: np.random.Generator) -> list[_Node]:
+        d, eng, shape = self.d, self.d.engine, self.shape
+        pending = tokens[len(d._seen):]
+        root_row = d._step(pending)  # catch up; the last token is the root
+        base = eng.length  # committed draft prefix incl. the root
+        root_pos = len(tokens) - 1
+        nodes = [_Node(tokens[-1], -1, 0, 0.0)]
+        frontier = [0]
+        rows = {0: root_row}
+        region: list[int] = []  # node index of each slot in the draft's tree region
+        room = eng.max_len - base
+        for level in range(1, shape.depth + 1):
+            created = []
+            for ni in frontier:
+                created += self._expand(nodes, ni, rows[ni], params, rng)
+            if level == shape.depth or not created:
+                break
+            # expand the best few of this level next (decided before their children are drawn)
+            created.sort(key=lambda i: -nodes[i].score)
+            frontier = created[: shape.beam]
+            if len(region) + len(frontier) > room:
+                break
+            visible = np.zeros((len(frontier), len(region) + len(frontier)), dtype=bool)
+            for r, ni in enumerate(frontier):
+                nodes[ni].slot = len(region) + r
+                visible[r, len(region) + r] = True
+                anc = nodes[ni].parent
+                while anc > 0:
+                    visible[r, nodes[anc].slot] = True
+                    anc = nodes[anc].parent
+            region += frontier
+            allowed = np.concatenate([np.ones((len(frontier), base), dtype=bool), visible], axis=1)
+            mask = np.where(allowed, np.float32(0), NEG_INF)
+            ids = np.asarray([nodes[i].token for i in frontier], dtype=np.int64)
+            pos = np.asarray([root_pos + nodes[i].depth for i in frontier], dtype=np.int64)
+            logits = eng.forward(ids, pos, mask)
+            eng.commit(len(frontier))
+            d.calls += 1
+            rows = {ni: logits[r] for r, ni in enumerate(frontier)}
+        eng.rollback(base)  # tree nodes never enter the draft's committed cache
+        return self._select(nodes, params)
+
+    def _expand(self, nodes: list[_Node], ni: int, row: np.ndarray, params: SamplingParams,
+                rng: np.random.Generator) -> list[int]:
+        node, w = nodes[ni], self.shape.width
+        created = []
+        if params.greedy:
+            logp = row - row.max()
+            logp = logp - np.log(np.exp(logp).sum())
+            top = np.argpartition(-logp, w)[:w] if w < len(logp) else np.arange(len(logp))
+            for tok in top[np.argsort(-logp[top])]:
+                nodes.append(_Node(int(tok), ni, node.depth + 1, node.score + float(logp[tok])))
+                node.children[int(tok)] = len(nodes) - 1
+                created.append(len(nodes) - 1)
+            return created
+        q = probabilities(row[None, :], params)[0]
+        node.q = q
+        for _ in range(w):
+            tok = sample(q, rng)
+            node.draws.append(tok)
+            if tok not in node.children:
+                nodes.append(_Node(tok, ni, node.depth + 1, node.score + float(np.log(q[tok]))))
+                node.children[tok] = len(nodes) - 1
+                created.append(len(nodes) - 1)
+        return created
+
+    def _select(self, nodes: list[_Node], params: SamplingParams) -> list[_Node]:
+        """Greedy: keep the ``budget`` best nodes. Sampling: keep all (all draws must stay)."""
+        budget = self.shape.budget
+        if params.greedy and len(nodes) - 1 > budget:
+            order = sorted(range(1, len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth))
+            keep = set(order[:budget])
+            for i in list(keep):  # ancestor closure (ties)
+                a = nodes[i].parent
+                while a > 0:
+                    keep.add(a)
+                    a = nodes[a].parent
+            keep.add(0)
+        else:
+            keep = set(range(len(nodes)))
+        # BFS order: parents before children; re-index
+        order = sorted(keep, key=lambda i: (nodes[i].depth, i))
+        new_index = {old: new for new, old in enumerate(order)}
+        out = []
+        for old in order:
+            n = nodes[old]
+            out.append(_Node(n.token, new_index.get(n.parent, -1), n.depth, n.score,
+                             {t: new_index[c] for t, c in n.children.items() if c in new_index},
+                             n.draws, n.q))
+        return out
+
+
+def _tree_visibility(tree: list[_Node]) -> np.ndarray:
+    n = len(tree)
+    vis = np.zeros((n, n), dtype=bool)
+    for i, node in enumerate(tree):
+        vis[i, i] = True
+        if node.parent >= 0:
+            vis[i] |= vis[node.parent]
+    return vis
+
+
+def _accept_greedy(tree: list[_Node], argmax: np.ndarray) -> tuple[list[int], int]:
+    path, u = [0], 0
+    while True:
+        a = int(argmax[u])
+        child = tree[u].children.get(a)
+        if child is None:
+            return path, a
+        path.append(child)
+        u = child
+
+
+def _accept_sampled(tree: list[_Node], p_rows: np.ndarray, rng: np.random.Generator) -> tuple[list[int], int]:
+    path, u = [0], 0
+    while True:
+        node = tree[u]
+        p = p_rows[u]
+        accepted = None
+        for x in node.draws:
+            qx = node.q[x]
+            if rng.random() * qx < p[x]:
+                accepted = x
+                break
+            p = np.maximum(p - node.q, 0.0)
+            total = p.sum()
+            p = p / total if total > 0 else p_rows[u]
+        if accepted is None or accepted not in node.children:
+            return path, sample(p, rng) if accepted is None else accepted
+        u = node.children[accepted]
+        path.append(u)
+
+
+def run_tree(target: OrtEngine, drafter: ModelDrafter, prompt: list[int], cfg: LoopConfig,
+             rng: np.random.Generator, stats: GenerationStats,
+             shape: TreeShape | None = None) -> Iterator[list[int]]:
+    """Like :func:`run_chain`, verifying a token tree per target call."""
+    shape = shape or TreeShape()
+    t_start = time.perf_counter()
+    target.reset()
+    tokens = list(prompt)
+    eos = set() if cfg.ignore_eos else set(cfg.eos_token_ids)
+    params = cfg.params
+    positions = np.arange(len(tokens), dtype=np.int64)
+    logits = target.forward(np.asarray(tokens, dtype=np.int64), positions,
+                            causal_mask(0, positions, target.info.sliding_window))
+    first = _pick(logits[-1], params, rng)
+    target.commit(len(tokens))
+    tokens.append(first)
+    drafter.start(prompt)
+    tree_drafter = TreeDrafter(drafter, shape)
+    stats.time_prefill = stats.time_total = time.perf_counter() - t_start
+    stats.new_tokens = 1
+    yield [first]
+    if first in eos or cfg.max_new_tokens <= 1:
+        return
+    generated = 1
+    while generated < cfg.max_new_tokens:
+        p0 = target.length
+        if p0 + 1 >= target.max_len:
+            return
+        t0 = time.perf_counter()
+        tree = tree_drafter.build(tokens, params, rng)
+        stats.time_draft += time.perf_counter() - t0
+        room = target.max_len - p0
+        if len(tree) > room:  # near the context end: keep what fits (BFS order keeps parents)
+            tree = tree[:room]
+            for node in tree:
+                node.children = {t: c for t, c in node.children.items() if c < room}
+        t0 = time.perf_counter()
+        vis = _tree_visibility(tree)
+        depth = np.asarray([n.depth for n in tree], dtype=np.int64)
+        allowed = np.concatenate([np.ones((len(tree), p0), dtype=bool), vis], axis=1)
+        mask = np.where(allowed, np.float32(0), NEG_INF)
+        ids = np.asarray([n.token for n in tree], dtype=np.int64)
+        logits = target.forward(ids, p0 + depth, mask)
+        if params.greedy:
+            path, nxt = _accept_greedy(tree, np.argmax(logits, axis=-1))
+        else:
+            path, nxt = _accept_sampled(tree, probabilities(logits, params), rng)
+        target.compact(path)
+        stats.time_verify += time.perf_counter() - t0
+        stats.target_calls += 1
+        n_acc = len(path) - 1
+        stats.record(int(depth.max()), n_acc)
+        stats.draft_lengths.append(len(tree) - 1)
+        new = [tree[i].token for i in path[1:]] + [nxt]
+        new = new[: cfg.max_new_tokens - generated]
+        for i, tok in enumerate(new):
+            if tok in eos:
+                new = new[: i + 1]
+                break
+        tokens.extend(new)
+        generated += len(new)
+        drafter.sync(tokens)
+        stats.new_tokens = generated
+        stats.time_total = time.perf_counter() - t_start
+        yield new
+        if new[-1] in eos:
+            return
