@@ -125,7 +125,6 @@ def test_tree_with_identical_draft_accepts_whole_depth(tiny_pair):
     # target accepts all of it: far more than one token per call
     stats = gen.last_stats
     assert stats.tokens_per_target_call >= 3.0
-    assert stats.tokens_per_target_call >= 1 + max(s for s in [stats.accepted / stats.target_calls])
 
 
 def test_tree_cache_equals_fresh_prefill(any_gen):
