@@ -145,3 +145,31 @@ def test_tree_cache_equals_fresh_prefill(any_gen):
         fk, fv = target.cache.read(layer, 0, n)
         np.testing.assert_allclose(k, fk, atol=1e-5)
         np.testing.assert_allclose(v, fv, atol=1e-5)
+
+
+@pytest.mark.parametrize("drafter", ["model", "prompt_lookup"])
+def test_adaptive_draft_length_is_exact(any_gen, drafter):
+    for prompt in PROMPTS:
+        base = any_gen.generate_ids(prompt, max_new_tokens=40, drafter=None, ignore_eos=True)
+        auto = any_gen.generate_ids(prompt, max_new_tokens=40, drafter=drafter, num_draft_tokens="auto",
+                                    ignore_eos=True)
+        assert auto == base
+
+
+def test_adaptive_policy_grows_k_when_everything_is_accepted(tiny_pair):
+    import specdec_rt
+    from specdec_rt.runtime.policy import AdaptivePolicy, CostModel
+
+    gen = specdec_rt.load(tiny_pair["bundle_same"], threads=1)
+    out = gen.generate_ids(PROMPTS[0], max_new_tokens=60, num_draft_tokens="auto", ignore_eos=True)
+    assert out == gen.generate_ids(PROMPTS[0], max_new_tokens=60, drafter=None, ignore_eos=True)
+    # the policy's logic on a fixed cost model: cheap draft + perfect acceptance -> long drafts,
+    # useless draft -> no drafting
+    cost = CostModel(target_times=[1.0 + 0.05 * s for s in range(16)], draft_step=0.05)
+    good = AdaptivePolicy(cost, accept=[0.98] * 12)
+    bad = AdaptivePolicy(cost, accept=[0.02] * 12)
+    assert good.best_k() >= 8
+    assert bad.best_k() == 0
+    for _ in range(50):
+        bad.update(4, 4)  # evidence of acceptance raises the estimates
+    assert bad.best_k() >= 4

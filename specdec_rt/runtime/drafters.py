@@ -39,6 +39,9 @@ class ModelDrafter:
         self._seen: list[int] = []  # tokens whose K/V are committed in the draft cache
         self.calls = 0
         self.time = 0.0
+        # stop drafting once the product of the draft's top probabilities falls below this
+        # (0 = always draft k tokens); set by the adaptive policy
+        self.confidence_floor = 0.0
 
     def start(self, prompt: list[int]) -> None:
         self.engine.reset()
@@ -63,16 +66,24 @@ class ModelDrafter:
         drafts: list[int] = []
         qs = []
         pending = tokens[len(self._seen):]
+        floor = self.confidence_floor
+        confidence = 1.0
         for _ in range(k):
             row = self._step(pending)
             if params.greedy:
                 tok = int(np.argmax(row))
+                if floor:
+                    e = np.exp(row - row[tok])
+                    confidence /= float(e.sum())
             else:
                 q = probabilities(row[None, :], params)[0]
                 tok = sample(q, rng)
                 qs.append(q)
+                confidence *= float(q.max())
             drafts.append(tok)
             pending = [tok]
+            if floor and confidence < floor:
+                break
         self.time += time.perf_counter() - t0
         if params.greedy or not drafts:
             return drafts, None

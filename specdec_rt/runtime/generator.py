@@ -114,6 +114,8 @@ class Generator:
                 raise GenerationInputError(f"num_draft_tokens must be 0..64 or 'auto', got {num_draft_tokens!r}")
             k = int(num_draft_tokens)
         d = self._drafter(drafter)
+        if policy is not None and isinstance(d, ModelDrafter):
+            d.confidence_floor = policy.confidence_floor()
         stats.prompt_tokens = len(prompt_ids)
         stats.drafter = None if d is None else d.name
         stats.speculation = speculation
