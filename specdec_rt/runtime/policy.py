@@ -78,6 +78,7 @@ class AdaptivePolicy:
     last_k: int = 0
     _seen: int = 0
     _idle: int = 0
+    _step_times: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if not self.accept:
@@ -90,8 +91,11 @@ class AdaptivePolicy:
         return k * self.cost.draft_step + self.cost.target(k + 1)
 
     def best_k(self) -> int:
-        rates = [self.expected_tokens(k) / self.step_time(k) for k in range(self.k_max + 1)]
-        return int(np.argmax(rates))
+        ks = np.arange(self.k_max + 1)
+        tokens = 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(self.accept[: self.k_max]))])
+        if self._step_times is None:  # costs are fixed once measured: tabulate them once
+            self._step_times = np.array([self.step_time(int(k)) for k in ks])
+        return int(np.argmax(tokens / self._step_times))
 
     def update(self, proposed: int, accepted: int) -> None:
         """Fold one verify call's outcome into the per-position estimates."""

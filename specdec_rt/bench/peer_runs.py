@@ -1,0 +1,95 @@
+"""Run the peer systems on the bundle's source checkpoints and compare with our runs."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from specdec_rt.bench import peers as P
+
+
+def _source_dirs(gen) -> tuple[Path, Path | None]:
+    models = gen.bundle.manifest["models"]
+    target = Path(models["target"]["source"]["checkpoint"])
+    draft = Path(models["draft"]["source"]["checkpoint"]) if "draft" in models else None
+    return target, draft
+
+
+def _summarize(runs: list, system: str, k, base_outputs: dict, our_tps: float, our_k_tps: dict) -> dict:
+    tokens = sum(len(r.token_ids) for r in runs)
+    seconds = sum(r.seconds for r in runs)
+    tps = tokens / seconds if seconds else 0.0
+    identical = all(r.token_ids == base_outputs[i] for i, r in enumerate(runs))
+    row = {"system": system, "k": k, "tokens_per_second": tps,
+           "identical_to_target_only": identical,
+           "ours_best_over_peer": our_tps / tps if tps else None}
+    if k in our_k_tps:
+        row["ours_same_k_over_peer"] = our_k_tps[k] / tps if tps else None
+    proposed = sum(r.extra.get("proposed", 0) or 0 for r in runs)
+    accepted = sum(r.extra.get("accepted", 0) or 0 for r in runs)
+    if proposed:
+        row["alpha"] = accepted / proposed
+    if not identical:
+        first = next(i for i, r in enumerate(runs) if r.token_ids != base_outputs[i])
+        a, b = runs[first].token_ids, base_outputs[first]
+        pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        row["first_divergence"] = {"prompt": first, "position": pos}
+    return row
+
+
+def run_peers(cfg, gen, prompts: list[list[int]], base: dict, base_tps: float, acc: dict) -> list[dict]:
+    """Peers on the same checkpoints, prompts and thread count; each row says what ran."""
+    from tqdm import tqdm
+
+    target_dir, draft_dir = _source_dirs(gen)
+    base_outputs = base["outputs"]
+    chain = [(name, a) for name, a in acc.items() if name.startswith("model K=")]
+    our_k_tps = {int(n.split("=")[1]) if n.split("=")[1].isdigit() else n.split("=")[1]:
+                 a["tokens"] / a["seconds"] for n, a in chain}
+    best = max([a["tokens"] / a["seconds"] for a in acc.values()])
+    avail = P.available_peers()
+    out: list[dict] = []
+    n = cfg.max_new_tokens
+    ks = [k for k in cfg.ks if 1 <= k <= 16]
+    bar = tqdm(total=len(cfg.peers), desc="peers", unit="system") if cfg.progress else None
+    for peer in cfg.peers:
+        try:
+            if peer == "transformers":
+                if avail.get("transformers"):
+                    raise P.PeerUnavailable(avail["transformers"])
+                runs = P.run_transformers(target_dir, prompts, n, threads=cfg.threads)
+                out.append(_summarize(runs, "transformers generate", 0, base_outputs, best, our_k_tps))
+                if draft_dir is not None:
+                    k = 4 if 4 in ks else ks[0]
+                    runs = P.run_transformers(target_dir, prompts, n, draft_dir=draft_dir,
+                                              num_draft_tokens=k, threads=cfg.threads)
+                    out.append(_summarize(runs, "transformers assisted", k, base_outputs, best, our_k_tps))
+            elif peer in ("onnxruntime-genai", "ortgenai"):
+                if avail.get("ortgenai"):
+                    raise P.PeerUnavailable(avail["ortgenai"])
+                cache = Path(cfg.peer_cache)
+                jobs = [(target_dir, cache / "target")] + ([(draft_dir, cache / "draft")] if draft_dir else [])
+                built = P.build_ortgenai_models(jobs)
+                runs = P.run_ortgenai(built[0], prompts, n, threads=cfg.threads)
+                out.append(_summarize(runs, "onnxruntime-genai", 0, base_outputs, best, our_k_tps))
+                if draft_dir is not None:
+                    for k in ks:
+                        runs = P.run_ortgenai(built[0], prompts, n, draft_genai_dir=built[1],
+                                              num_draft_tokens=k, threads=cfg.threads)
+                        out.append(_summarize(runs, "onnxruntime-genai spec", k, base_outputs, best, our_k_tps))
+                    kmax = max(ks)
+                    runs = P.run_ortgenai(built[0], prompts, n, draft_genai_dir=built[1],
+                                          num_draft_tokens=kmax, threads=cfg.threads, adaptive=True,
+                                          min_adaptive_k=1)
+                    row = _summarize(runs, "onnxruntime-genai spec adaptive", "auto", base_outputs, best, our_k_tps)
+                    row["max_k"] = kmax
+                    out.append(row)
+            else:
+                out.append({"system": peer, "ran": False, "reason": "unknown peer"})
+        except P.PeerUnavailable as exc:
+            out.append({"system": peer, "ran": False, "reason": str(exc)})
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    for row in out:
+        row.setdefault("ran", True)
+    return out

@@ -1,0 +1,129 @@
+"""Benchmark outputs: results.json, a markdown table and PNG plots."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specdec_rt.bench.runner import ideal_speedup
+
+
+def _f(x, fmt="{:.2f}") -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "NO"
+    return fmt.format(x)
+
+
+def markdown(results: dict) -> str:
+    m = results["machine"]
+    lines = [
+        f"Machine: {m['cpu']}, {m['cores']} cores, onnxruntime {m['onnxruntime']}, Python {m['python']}.",
+        f"Settings: {results['settings']}. Target-only: "
+        f"{results['target_only_tokens_per_second']:.1f} tok/s; c (draft step / target step) = "
+        f"{results['c']:.3f}; peak RSS {results['peak_rss_mb']:.0f} MB.",
+        "",
+        "| configuration | tok/s | speedup | alpha | tokens/call | T(S)/T(1) | ideal | efficiency | loop overhead | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results["rows"]:
+        lines.append(
+            f"| {r['name']} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f}x | {_f(r['alpha'])} | "
+            f"{r['tokens_per_target_call']:.2f} | {r['t_ratio']:.2f} | {_f(r['ideal_speedup'])} | "
+            f"{_f(r['efficiency'])} | {r['loop_overhead_share']:.1%} | {_f(r['identical_to_target_only'])} |"
+        )
+    if results.get("peers"):
+        lines += ["", "| peer | K | tok/s | alpha | our best / peer | ours at same K / peer | identical |",
+                  "|---|---|---|---|---|---|---|"]
+        for p in results["peers"]:
+            if not p.get("ran", True):
+                lines.append(f"| {p['system']} | - | not run: {p.get('reason')} | | | | |")
+                continue
+            lines.append(
+                f"| {p['system']} | {p['k'] or '-'} | {p['tokens_per_second']:.1f} | {_f(p.get('alpha'))} | "
+                f"{_f(p.get('ours_best_over_peer'))}x | {_f(p.get('ours_same_k_over_peer'))} | "
+                f"{_f(p['identical_to_target_only'])} |"
+            )
+    curve = results["target_time_curve"]
+    lines += ["", "Target time T(S)/T(1): " + ", ".join(f"S={s}: {r:.2f}" for s, r in zip(curve["S"], curve["ratio"]))]
+    return "\n".join(lines) + "\n"
+
+
+def plots(results: dict, out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    rows = results["rows"]
+    curve = results["target_time_curve"]
+    ratio = curve["ratio"]
+
+    # speedup vs K, measured and ideal from measured alpha and costs
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for drafter in ("model", "prompt_lookup"):
+        pts = [(r["k"], r["speedup"], r["alpha"], r["c"]) for r in rows
+               if r["drafter"] == drafter and r["speculation"] == "chain" and isinstance(r["k"], int)]
+        if not pts:
+            continue
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{drafter}: measured")
+        if drafter == "model":
+            alpha = sum(p[2] for p in pts) / len(pts)
+            c = pts[0][3]
+            ks = list(range(1, 17))
+            ax.plot(ks, [ideal_speedup(alpha, k, c, ratio[min(k, 15)]) for k in ks], "--",
+                    label=f"ideal (alpha={alpha:.2f}, c={c:.3f})")
+    for r in rows:
+        if r["k"] == "auto" or r["speculation"] == "tree":
+            ax.axhline(r["speedup"], ls=":", lw=1, color="gray")
+            ax.text(0.5, r["speedup"], r["name"], fontsize=7, va="bottom")
+    ax.axhline(1.0, color="k", lw=0.5)
+    ax.set_xlabel("draft tokens K")
+    ax.set_ylabel("speedup over target-only")
+    ax.legend(fontsize=7)
+    ax.set_title("Speedup vs K")
+    fig.tight_layout()
+    fig.savefig(out / "speedup_vs_k.png", dpi=110)
+    files.append("speedup_vs_k.png")
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(curve["S"], ratio, "o-")
+    ax.set_xlabel("S (tokens per target call)")
+    ax.set_ylabel("T(S) / T(1)")
+    ax.set_title("Target cost of verifying S tokens")
+    fig.tight_layout()
+    fig.savefig(out / "target_time.png", dpi=110)
+    files.append("target_time.png")
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        acc = r.get("per_position_acceptance") or []
+        if acc and r["drafter"] == "model":
+            ax.plot(range(1, len(acc) + 1), acc, "o-", label=r["name"], ms=3)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("P(accept | previous accepted)")
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=7)
+    ax.set_title("Per-position acceptance")
+    fig.tight_layout()
+    fig.savefig(out / "acceptance.png", dpi=110)
+    files.append("acceptance.png")
+    plt.close(fig)
+    return files
+
+
+def write(results: dict, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    md = markdown(results)
+    (out / "results.md").write_text(md)
+    files = ["results.json", "results.md"]
+    try:
+        files += plots(results, out)
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install 'specdec-rt[bench]')")
+    return {"files": files, "markdown": md}

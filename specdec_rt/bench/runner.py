@@ -1,0 +1,214 @@
+"""The benchmark: our configurations interleaved with target-only decoding, plus the peers.
+
+Every speedup is a ratio measured in one run: for each prompt and repeat, target-only decoding
+and every speculative configuration run back to back (round robin), so drift on a shared machine
+hits all of them alike. Greedy outputs are compared token for token with target-only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass
+class BenchConfig:
+    bundle: str
+    prompts: list[str]
+    max_new_tokens: int = 128
+    ks: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    drafters: list[str] = field(default_factory=lambda: ["model", "prompt_lookup"])
+    temperature: float = 0.0
+    seed: int = 0
+    peers: list[str] = field(default_factory=list)
+    repeats: int = 2
+    threads: int | None = None
+    tree: bool = True
+    auto: bool = True
+    peer_cache: str = "out/peer-models"
+    progress: bool = True
+
+
+@dataclass
+class RunSpec:
+    name: str
+    drafter: str | None
+    k: int | str
+    speculation: str = "chain"
+
+
+def load_prompts(path: str | None) -> list[str]:
+    """Prompts from a .jsonl file ({"prompt": ...} per line) or a text file (blank-line separated)."""
+    if path is None:
+        from specdec_rt.cli.demo import reference_prompts
+
+        return [p["prompt"] for p in reference_prompts()]
+    text = Path(path).read_text()
+    if path.endswith(".jsonl"):
+        return [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
+    return [block for block in text.split("\n\n") if block.strip()]
+
+
+def machine_description() -> dict:
+    import onnxruntime as ort
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "onnxruntime": ort.__version__, "platform": platform.platform()}
+
+
+def ideal_speedup(alpha: float, k: int, c: float, t_ratio: float) -> float:
+    """Leviathan et al.: expected speedup of chain speculation with i.i.d. acceptance alpha."""
+    if k == 0:
+        return 1.0
+    tokens = (k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens / (k * c + t_ratio)
+
+
+def _specs(cfg: BenchConfig, has_draft: bool) -> list[RunSpec]:
+    specs = [RunSpec("target-only", None, 0)]
+    for drafter in cfg.drafters:
+        if drafter == "model" and not has_draft:
+            continue
+        for k in cfg.ks:
+            specs.append(RunSpec(f"{drafter} K={k}", drafter, k))
+        if cfg.auto:
+            specs.append(RunSpec(f"{drafter} K=auto", drafter, "auto"))
+        if cfg.tree and drafter == "model":
+            specs.append(RunSpec("model tree", drafter, 4, "tree"))
+    return specs
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    import specdec_rt
+    from specdec_rt.runtime.policy import measure_engine
+
+    gen = specdec_rt.load(cfg.bundle, threads=cfg.threads)
+    prompts = [gen.tokenizer.encode(p) for p in cfg.prompts]
+    limit = gen.max_length - cfg.max_new_tokens - 1
+    prompts = [p[-limit:] for p in prompts]
+    specs = _specs(cfg, gen.draft_engine is not None)
+
+    # cost model: T(S) for S = 1..16 and the draft step, on a warm cache
+    t_curve = measure_engine(gen.target, list(range(1, 17)), past=64, reps=7)
+    draft_step = measure_engine(gen.draft_engine, [1], past=64, reps=15)[0] if gen.draft_engine else 0.0
+    t1 = t_curve[0]
+
+    bar = None
+    total = len(prompts) * cfg.repeats * len(specs)
+    if cfg.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc="bench", unit="run")
+    kwargs = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, ignore_eos=True)
+    for spec in specs:  # warm-up: one short run of each configuration
+        gen.generate_ids(prompts[0], **{**kwargs, "max_new_tokens": 8}, drafter=spec.drafter,
+                         num_draft_tokens=spec.k, speculation=spec.speculation, seed=cfg.seed)
+    acc: dict[str, dict] = {s.name: {"seconds": 0.0, "tokens": 0, "outputs": {}, "stats": []} for s in specs}
+    for rep in range(cfg.repeats):
+        for pi, ids in enumerate(prompts):
+            for spec in specs:
+                t0 = time.perf_counter()
+                out = gen.generate_ids(ids, drafter=spec.drafter, num_draft_tokens=spec.k,
+                                       speculation=spec.speculation, seed=cfg.seed + pi, **kwargs)
+                dt = time.perf_counter() - t0
+                a = acc[spec.name]
+                a["seconds"] += dt
+                a["tokens"] += len(out)
+                a["outputs"].setdefault(pi, out)
+                a["stats"].append(gen.last_stats)
+                if bar is not None:
+                    bar.update(1)
+    if bar is not None:
+        bar.close()
+    peak_rss = _rss_mb()
+
+    base = acc["target-only"]
+    base_tps = base["tokens"] / base["seconds"]
+    c = draft_step / t1 if t1 else 0.0
+    rows = []
+    for spec in specs:
+        a = acc[spec.name]
+        stats = a["stats"]
+        proposed = sum(s.proposed for s in stats)
+        accepted = sum(s.accepted for s in stats)
+        calls = sum(s.target_calls for s in stats)
+        decoded = sum(s.new_tokens - 1 for s in stats)
+        alpha = accepted / proposed if proposed else 0.0
+        tau = decoded / calls if calls else 1.0
+        draft_calls = sum(s.draft_calls for s in stats) / max(1, calls)
+        mean_s = 1 + sum(sum(s.draft_lengths) for s in stats) / max(1, calls)
+        t_ratio = float(np.interp(mean_s, np.arange(1, 17), t_curve)) / t1
+        step_c = c if spec.drafter == "model" else (
+            sum(s.time_draft for s in stats) / max(1, calls) / t1)
+        tps = a["tokens"] / a["seconds"]
+        measured = base["seconds"] / a["seconds"]
+        # ideal: the measured tokens per call at zero orchestration cost
+        ideal = tau / (draft_calls * step_c + t_ratio) if spec.drafter == "model" else tau / (step_c + t_ratio)
+        if spec.drafter is None:
+            ideal = 1.0
+        pos_prop = np.zeros(16)
+        pos_acc = np.zeros(16)
+        for s in stats:
+            n = min(16, len(s.per_position_proposed))
+            pos_prop[:n] += s.per_position_proposed[:n]
+            pos_acc[:n] += s.per_position_accepted[:n]
+        overhead = sum(s.time_overhead for s in stats) / max(1e-9, sum(s.time_total - s.time_prefill for s in stats))
+        identical = None
+        if cfg.temperature == 0:
+            identical = all(a["outputs"][i] == base["outputs"][i] for i in base["outputs"])
+        row = {
+            "name": spec.name, "drafter": spec.drafter, "k": spec.k, "speculation": spec.speculation,
+            "tokens_per_second": tps, "speedup": measured, "alpha": alpha,
+            "tokens_per_target_call": tau, "c": c if spec.drafter == "model" else step_c,
+            "t_ratio": t_ratio, "ideal_speedup": ideal,
+            "efficiency": measured / ideal if ideal else None,
+            "loop_overhead_share": overhead,
+            "time_draft_share": sum(s.time_draft for s in stats) / a["seconds"],
+            "time_verify_share": sum(s.time_verify + s.time_prefill for s in stats) / a["seconds"],
+            "per_position_acceptance": [float(x / y) if y else None for x, y in zip(pos_acc, pos_prop) if y],
+            "identical_to_target_only": identical,
+        }
+        if spec.speculation == "chain" and isinstance(spec.k, int) and spec.drafter == "model":
+            row["ideal_speedup_leviathan"] = ideal_speedup(alpha, spec.k, c, float(t_curve[spec.k]) / t1)
+        rows.append(row)
+
+    results = {
+        "command": None,
+        "machine": machine_description(),
+        "bundle": str(cfg.bundle),
+        "models": {r: {k: m.get(k) for k in ("family", "num_parameters", "num_layers", "hidden_size", "quantization")}
+                   for r, m in gen.bundle.manifest["models"].items()},
+        "settings": {"max_new_tokens": cfg.max_new_tokens, "prompts": len(prompts), "repeats": cfg.repeats,
+                     "temperature": cfg.temperature, "threads": cfg.threads},
+        "target_time_curve": {"S": list(range(1, 17)), "seconds": t_curve,
+                              "ratio": [t / t1 for t in t_curve]},
+        "draft_step_seconds": draft_step,
+        "c": c,
+        "peak_rss_mb": peak_rss,
+        "target_only_tokens_per_second": base_tps,
+        "rows": rows,
+        "peers": [],
+    }
+    if cfg.peers:
+        from specdec_rt.bench.peer_runs import run_peers
+
+        results["peers"] = run_peers(cfg, gen, prompts, base, base_tps, acc)
+    return results

@@ -1,0 +1,65 @@
+"""``specdec-bench``: speedup, acceptance and cost model, side by side with the peers."""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from specdec_rt.cli.common import fail
+
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="specdec-bench", description=__doc__)
+    ap.add_argument("--bundle", required=True)
+    ap.add_argument("--prompts", default=None,
+                    help="prompts file (.jsonl with a 'prompt' field, or text blocks separated by blank "
+                         "lines); default: the reference pair's held-out prompts")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--k", default="1,2,4,8", help="draft lengths to run, comma separated")
+    ap.add_argument("--drafter", default="model,prompt_lookup", help="drafters, comma separated")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--peers", default="", help="transformers,onnxruntime-genai (optional extras)")
+    ap.add_argument("--repeats", type=int, default=2, help="interleaved repeats per prompt")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--no-tree", action="store_true", help="skip tree speculation")
+    ap.add_argument("--no-auto", action="store_true", help="skip adaptive K")
+    ap.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    ap.add_argument("--peer-cache", default="out/peer-models", help="where peer model exports are cached")
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--quiet", action="store_true")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def run() -> int:
+        from specdec_rt.bench import report
+        from specdec_rt.bench.runner import BenchConfig, load_prompts, run_bench
+
+        prompts = load_prompts(args.prompts)
+        if args.num_prompts:
+            prompts = prompts[: args.num_prompts]
+        cfg = BenchConfig(
+            bundle=args.bundle, prompts=prompts, max_new_tokens=args.max_new_tokens,
+            ks=[int(k) for k in _csv(args.k)], drafters=_csv(args.drafter), temperature=args.temperature,
+            peers=_csv(args.peers), repeats=args.repeats, threads=args.threads, tree=not args.no_tree,
+            auto=not args.no_auto, peer_cache=args.peer_cache, progress=not args.quiet,
+        )
+        results = run_bench(cfg)
+        results["command"] = "specdec-bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+        written = report.write(results, Path(args.out))
+        print(written["markdown"])
+        print(f"wrote {', '.join(written['files'])} to {args.out}")
+        return 0
+
+    return fail(run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
