@@ -13,6 +13,15 @@ def _source_dirs(gen) -> tuple[Path, Path | None]:
     return target, draft
 
 
+def genai_models(cfg, gen) -> dict[str, Path]:
+    """onnxruntime-genai exports of the bundle's source checkpoints (cached in cfg.peer_cache)."""
+    target_dir, draft_dir = _source_dirs(gen)
+    cache = Path(cfg.peer_cache)
+    jobs = [(target_dir, cache / "target")] + ([(draft_dir, cache / "draft")] if draft_dir else [])
+    built = P.build_ortgenai_models(jobs)
+    return dict(zip(["target", "draft"], built))
+
+
 def _summarize(runs: list, system: str, k, base_outputs: dict, our_tps: float, our_k_tps: dict) -> dict:
     tokens = sum(len(r.token_ids) for r in runs)
     seconds = sum(r.seconds for r in runs)
@@ -65,9 +74,7 @@ def run_peers(cfg, gen, prompts: list[list[int]], base: dict, base_tps: float, a
             elif peer in ("onnxruntime-genai", "ortgenai"):
                 if avail.get("ortgenai"):
                     raise P.PeerUnavailable(avail["ortgenai"])
-                cache = Path(cfg.peer_cache)
-                jobs = [(target_dir, cache / "target")] + ([(draft_dir, cache / "draft")] if draft_dir else [])
-                built = P.build_ortgenai_models(jobs)
+                built = list(genai_models(cfg, gen).values())
                 runs = P.run_ortgenai(built[0], prompts, n, threads=cfg.threads)
                 out.append(_summarize(runs, "onnxruntime-genai", 0, base_outputs, best, our_k_tps))
                 if draft_dir is not None:

@@ -44,6 +44,14 @@ def markdown(results: dict) -> str:
                 f"{_f(p.get('ours_best_over_peer'))}x | {_f(p.get('ours_same_k_over_peer'))} | "
                 f"{_f(p['identical_to_target_only'])} |"
             )
+    if results.get("graphs"):
+        lines += ["", "| graph | nodes ours / genai | S=1 ms ours / genai | S=5 ms ours / genai | latency ratio S=1, S=5 |",
+                  "|---|---|---|---|---|"]
+        for g in results["graphs"]:
+            lines.append(
+                f"| {g['role']} (P={g['past']}) | {g['nodes_ours']} / {g['nodes_genai']} | "
+                f"{g['ms_ours_S1']:.3f} / {g['ms_genai_S1']:.3f} | {g['ms_ours_S5']:.3f} / {g['ms_genai_S5']:.3f} | "
+                f"{g['ratio_S1']:.2f}, {g['ratio_S5']:.2f} |")
     curve = results["target_time_curve"]
     lines += ["", "Target time T(S)/T(1): " + ", ".join(f"S={s}: {r:.2f}" for s, r in zip(curve["S"], curve["ratio"]))]
     return "\n".join(lines) + "\n"

@@ -33,6 +33,7 @@ class BenchConfig:
     auto: bool = True
     peer_cache: str = "out/peer-models"
     progress: bool = True
+    compare_graphs: bool = False
 
 
 @dataclass
@@ -207,6 +208,11 @@ def run_bench(cfg: BenchConfig) -> dict:
         "rows": rows,
         "peers": [],
     }
+    if cfg.compare_graphs:
+        from specdec_rt.bench.graphs import compare_graphs
+        from specdec_rt.bench.peer_runs import genai_models
+
+        results["graphs"] = compare_graphs(gen, genai_models(cfg, gen), threads=cfg.threads)
     if cfg.peers:
         from specdec_rt.bench.peer_runs import run_peers
 

@@ -198,3 +198,18 @@ def tree_mask(past_len: int, visible: np.ndarray, positions: np.ndarray,
         key_pos = np.arange(past_len)
         allowed[:, :past_len] &= (positions[:, None] - key_pos[None, :]) < sliding_window
     return np.where(allowed, np.float32(0), NEG_INF).astype(np.float32, copy=False)
+
+
+def make_engine(graph_path: str | os.PathLike, info: ModelInfo, max_len: int, provider: str = "cpu",
+                threads: int | None = None, bundle_root: Path | None = None,
+                io_binding: bool | None = None):
+    """An engine for ``provider``: ONNX Runtime (cpu / cuda / tensorrt EP) or native TensorRT (trt).
+
+    Every engine has the same interface (forward / commit / rollback / compact / reset, ``length``,
+    ``max_len``, ``info``, ``cache``), so the loop never knows which one it drives.
+    """
+    if provider.lower() == "trt":
+        from specdec_rt.runtime.trt_engine import TrtEngine
+
+        return TrtEngine(graph_path, info, max_len, bundle_root=bundle_root)
+    return OrtEngine(graph_path, info, max_len, provider, threads, bundle_root, io_binding)

@@ -9,7 +9,7 @@ import numpy as np
 
 from specdec_rt.runtime.bundle import Bundle, BundleError, load_bundle
 from specdec_rt.runtime.drafters import Drafter, ModelDrafter, PromptLookupDrafter
-from specdec_rt.runtime.engine import ContextOverflowError, OrtEngine
+from specdec_rt.runtime.engine import ContextOverflowError, make_engine
 from specdec_rt.runtime.sampling import SamplingParams, SamplingParamsError
 from specdec_rt.runtime.speculative import LoopConfig, run_chain
 from specdec_rt.runtime.stats import GenerationStats
@@ -46,11 +46,11 @@ class Generator:
         if self.max_length < 2:
             raise GenerationInputError("max_length must be at least 2")
         self.tokenizer = TextTokenizer(bundle.tokenizer_path)
-        self.target = OrtEngine(bundle.graph_path("target"), bundle.target, self.max_length, provider,
+        self.target = make_engine(bundle.graph_path("target"), bundle.target, self.max_length, provider,
                                 threads, bundle.root, io_binding)
         self.draft_engine = None
         if bundle.draft is not None:
-            self.draft_engine = OrtEngine(bundle.graph_path("draft"), bundle.draft, self.max_length,
+            self.draft_engine = make_engine(bundle.graph_path("draft"), bundle.draft, self.max_length,
                                           draft_provider or provider, threads, bundle.root, io_binding)
         self.vocab_size = bundle.target.vocab_size
         self.eos_token_ids = tuple(bundle.eos_token_ids)

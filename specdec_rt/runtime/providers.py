@@ -31,7 +31,8 @@ def resolve_provider(provider: str) -> str:
     """Map a user-facing name (``cpu``, ``cuda``, ``tensorrt``) to an ORT provider name."""
     name = _ALIASES.get(provider.lower(), provider)
     if name not in _ALIASES.values():
-        raise ValueError(f"unknown provider '{provider}'; choose one of: cpu, cuda, tensorrt")
+        raise ValueError(f"unknown provider '{provider}'; choose one of: cpu, cuda, tensorrt, trt "
+                         "(trt = native TensorRT engines built by specdec-export --trt)")
     available = ort.get_available_providers()
     if name not in available:
         hint = _INSTALL_HINT.get(name, "")
