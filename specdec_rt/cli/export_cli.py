@@ -48,9 +48,16 @@ def main(argv: list[str] | None = None) -> int:
             from specdec_rt.export.tensorrt import build_engines
 
             build_engines(args.out)
-        summary = {role: {k: m[k] for k in ("family", "num_parameters", "num_nodes", "size_bytes", "quantization")}
-                   | {"max_logit_error": m["validation"].get("max_logit_error")}
-                   for role, m in manifest["models"].items()}
+        summary = {}
+        for role, m in manifest["models"].items():
+            row = {k: m[k] for k in ("family", "num_parameters", "num_nodes", "size_bytes", "quantization")}
+            row["max_logit_error"] = m["validation"].get("max_logit_error")
+            quant = m["validation"].get("quantized")
+            if quant:  # the quantized graph vs the fp32 PyTorch model
+                row["size_bytes_unquantized"] = m["size_bytes_unquantized"]
+                row["quantized_max_logit_error"] = quant["max_logit_error"]
+                row["quantized_top1_agreement"] = quant["top1_agreement"]
+            summary[role] = row
         print(json.dumps({"bundle": args.out, "export_seconds": manifest["export_seconds"], "models": summary}, indent=2))
         return 0
 
