@@ -3,5 +3,6 @@
 # printing the acceptance rate and the speedup over target-only decoding.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install "torch==2.13.0" -e ".[export]"
+. scripts/_env.sh
+python -m pip install -q "torch==2.13.0" -e ".[export]"
 specdec-run --demo "$@"
