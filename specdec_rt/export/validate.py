@@ -82,6 +82,10 @@ class _OrtRunner:
         allowed = np.ones((s_len, p_len + s_len), dtype=bool)
         causal = np.tril(np.ones((s_len, s_len), dtype=bool)) if new_allowed is None else new_allowed
         allowed[:, p_len:] = causal
+        window = self.spec.sliding_window
+        if window:  # the same sliding-window rule as the runtime's masks: q - k < window
+            key_pos = np.concatenate([np.arange(p_len), np.asarray(positions)])
+            allowed &= (np.asarray(positions)[:, None] - key_pos[None, :]) < window
         feed = {
             "input_ids": np.asarray([tokens], dtype=np.int64),
             "position_ids": np.asarray([positions], dtype=np.int64),
@@ -132,8 +136,9 @@ def validate(torch_model, onnx_path: str, spec: ArchSpec, *, kv_dtype=np.float32
         rk, rv = _torch_kv(ref.past_key_values, i)
         rk = rk[0].transpose(0, 1).float().numpy()
         rv = rv[0].transpose(0, 1).float().numpy()
-        kv_err = max(kv_err, float(np.abs(full[i][0][0].astype(np.float32) - rk).max()),
-                     float(np.abs(full[i][1][0].astype(np.float32) - rv).max()))
+        n = rk.shape[0]  # a sliding-window cache keeps only the last positions
+        kv_err = max(kv_err, float(np.abs(full[i][0][0][-n:].astype(np.float32) - rk).max()),
+                     float(np.abs(full[i][1][0][-n:].astype(np.float32) - rv).max()))
     report.max_kv_error = kv_err
     # decode S = 1 must equal the matching row of the S > 1 call
     lg_c, _ = runner.run(tokens[prefix_len:prefix_len + 1], [prefix_len], past)

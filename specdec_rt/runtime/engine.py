@@ -188,17 +188,21 @@ def causal_mask(past_len: int, positions: np.ndarray, sliding_window: int | None
     return np.where(allowed, np.float32(0), NEG_INF).astype(np.float32, copy=False).reshape(s, past_len + s)
 
 
-def tree_mask(past_len: int, visible: np.ndarray, positions: np.ndarray,
-              sliding_window: int | None = None) -> np.ndarray:
-    """Additive mask for tree nodes: all of the past plus each node's ancestors and itself."""
-    s = visible.shape[0]
-    allowed = np.ones((s, past_len + s), dtype=bool)
-    allowed[:, past_len:] = visible
-    if sliding_window:
-        key_pos = np.arange(past_len)
-        allowed[:, :past_len] &= (positions[:, None] - key_pos[None, :]) < sliding_window
-    return np.where(allowed, np.float32(0), NEG_INF).astype(np.float32, copy=False)
+def tree_mask(past_len: int, region: np.ndarray, positions: np.ndarray,
+              sliding_window: int | None = None, new_block: np.ndarray | None = None) -> np.ndarray:
+    """Additive mask for tree nodes at ``positions``.
 
+    Columns: ``past_len`` committed positions (0..past_len-1, all visible, subject to the
+    sliding window), then ``region`` (earlier tree slots, visibility given), then the new block
+    (``new_block`` visibility, identity if None).
+    """
+    s = len(positions)
+    prefix = np.ones((s, past_len), dtype=bool)
+    if sliding_window:
+        prefix &= (positions[:, None] - np.arange(past_len)[None, :]) < sliding_window
+    block = np.eye(s, dtype=bool) if new_block is None else new_block
+    allowed = np.concatenate([prefix, region, block], axis=1)
+    return np.where(allowed, np.float32(0), NEG_INF).astype(np.float32, copy=False)
 
 def make_engine(graph_path: str | os.PathLike, info: ModelInfo, max_len: int, provider: str = "cpu",
                 threads: int | None = None, bundle_root: Path | None = None,

@@ -25,7 +25,7 @@ from typing import Iterator
 import numpy as np
 
 from specdec_rt.runtime.drafters import ModelDrafter
-from specdec_rt.runtime.engine import NEG_INF, OrtEngine, causal_mask
+from specdec_rt.runtime.engine import OrtEngine, causal_mask, tree_mask
 from specdec_rt.runtime.sampling import SamplingParams, probabilities, sample
 from specdec_rt.runtime.speculative import LoopConfig, _pick
 from specdec_rt.runtime.stats import GenerationStats
@@ -91,10 +91,11 @@ class TreeDrafter:
                     visible[r, nodes[anc].slot] = True
                     anc = nodes[anc].parent
             region += frontier
-            allowed = np.concatenate([np.ones((len(frontier), base), dtype=bool), visible], axis=1)
-            mask = np.where(allowed, np.float32(0), NEG_INF)
             ids = np.asarray([nodes[i].token for i in frontier], dtype=np.int64)
             pos = np.asarray([root_pos + nodes[i].depth for i in frontier], dtype=np.int64)
+            # columns: committed prefix (positions 0..base-1), then the tree region
+            mask = tree_mask(base, visible[:, :len(region) - len(frontier)], pos, eng.info.sliding_window,
+                             new_block=visible[:, len(region) - len(frontier):])
             logits = eng.forward(ids, pos, mask)
             eng.commit(len(frontier))
             d.calls += 1
@@ -232,8 +233,8 @@ def run_tree(target: OrtEngine, drafter: ModelDrafter, prompt: list[int], cfg: L
         t0 = time.perf_counter()
         vis = _tree_visibility(tree)
         depth = np.asarray([n.depth for n in tree], dtype=np.int64)
-        allowed = np.concatenate([np.ones((len(tree), p0), dtype=bool), vis], axis=1)
-        mask = np.where(allowed, np.float32(0), NEG_INF)
+        mask = tree_mask(p0, np.zeros((len(tree), 0), dtype=bool), p0 + depth, target.info.sliding_window,
+                         new_block=vis)
         ids = np.asarray([n.token for n in tree], dtype=np.int64)
         logits = target.forward(ids, p0 + depth, mask)
         if params.greedy:
