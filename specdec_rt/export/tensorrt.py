@@ -25,21 +25,9 @@ from pathlib import Path
 
 from specdec_rt.runtime.bundle import MANIFEST, load_bundle, sha256_file
 from specdec_rt.runtime.providers import BackendUnavailableError
+from specdec_rt.runtime.trt_engine import PREFILL, VERIFY, import_tensorrt  # noqa: F401 - shared
 
-PREFILL, VERIFY = 0, 1  # optimization profile indices, shared with runtime/trt_engine.py
-
-
-def import_tensorrt():
-    """``import tensorrt`` or a :class:`BackendUnavailableError` saying what to install."""
-    try:
-        import tensorrt as trt
-    except ImportError as exc:
-        raise BackendUnavailableError(
-            "native TensorRT needs the tensorrt Python package: pip install tensorrt (or "
-            "pip install 'specdec-rt[trt]'); on JetPack 6 it ships with TensorRT 10.3, so create "
-            f"the venv with --system-site-packages (deploy/jetson/README.md). Import error: {exc}"
-        ) from None
-    return trt
+__all__ = ["build_engines", "build_engine", "profile_shapes", "import_tensorrt", "PREFILL", "VERIFY"]
 
 
 def trt_major(trt) -> int:

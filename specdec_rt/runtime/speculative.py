@@ -58,6 +58,8 @@ def run_chain(target: OrtEngine, drafter: Drafter | None, prompt: list[int], cfg
         drafter.start(prompt)
     stats.time_prefill = time.perf_counter() - t_start
     stats.new_tokens = 1
+    engines = [e for e in (target, getattr(drafter, "engine", None)) if e is not None]
+    model_t0 = sum(e.model_time for e in engines)
     stats.time_total = stats.time_prefill
     yield [first]
     if first in eos or cfg.max_new_tokens <= 1:
@@ -103,6 +105,7 @@ def run_chain(target: OrtEngine, drafter: Drafter | None, prompt: list[int], cfg
             drafter.sync(tokens)
         stats.new_tokens = generated
         stats.time_total = time.perf_counter() - t_start
+        stats.time_in_models = sum(e.model_time for e in engines) - model_t0
         yield new
         if new[-1] in eos:
             return

@@ -18,6 +18,7 @@ class GenerationStats:
     time_draft: float = 0.0
     time_verify: float = 0.0
     time_total: float = 0.0
+    time_in_models: float = 0.0  # inside ONNX Runtime (draft + target), prefill excluded
     drafter: str | None = None
     speculation: str = "chain"
     num_draft_tokens: int | str = 0
@@ -53,6 +54,12 @@ class GenerationStats:
         return self.time_overhead / decode if decode > 0 else 0.0
 
     @property
+    def python_overhead_share(self) -> float:
+        """Share of decode time spent outside ONNX Runtime (sampling, masks, bookkeeping)."""
+        decode = self.time_total - self.time_prefill
+        return max(0.0, decode - self.time_in_models) / decode if decode > 0 else 0.0
+
+    @property
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.time_total if self.time_total > 0 else 0.0
 
@@ -68,6 +75,7 @@ class GenerationStats:
     def to_dict(self) -> dict:
         d = asdict(self)
         for name in ("acceptance_rate", "tokens_per_target_call", "time_overhead", "overhead_share",
-                     "tokens_per_second", "decode_tokens_per_second", "per_position_acceptance"):
+                     "tokens_per_second", "decode_tokens_per_second", "per_position_acceptance",
+                     "python_overhead_share"):
             d[name] = getattr(self, name)
         return d

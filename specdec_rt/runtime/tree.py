@@ -214,6 +214,8 @@ def run_tree(target: OrtEngine, drafter: ModelDrafter, prompt: list[int], cfg: L
     tree_drafter = TreeDrafter(drafter, shape)
     stats.time_prefill = stats.time_total = time.perf_counter() - t_start
     stats.new_tokens = 1
+    engines = [e for e in (target, getattr(drafter, "engine", None)) if e is not None]
+    model_t0 = sum(e.model_time for e in engines)
     yield [first]
     if first in eos or cfg.max_new_tokens <= 1:
         return
@@ -258,6 +260,7 @@ def run_tree(target: OrtEngine, drafter: ModelDrafter, prompt: list[int], cfg: L
         drafter.sync(tokens)
         stats.new_tokens = generated
         stats.time_total = time.perf_counter() - t_start
+        stats.time_in_models = sum(e.model_time for e in engines) - model_t0
         yield new
         if new[-1] in eos:
             return
