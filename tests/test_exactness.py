@@ -111,15 +111,22 @@ def test_stop_string_and_eos(tiny_gen):
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_tree_greedy_is_exact(any_gen, prompt):
     base = any_gen.generate_ids(prompt, max_new_tokens=40, drafter=None, ignore_eos=True)
-    tree = any_gen.generate_ids(prompt, max_new_tokens=40, speculation="tree", ignore_eos=True)
-    assert tree == base
+    for budget in (1, 4, 15):
+        tree = any_gen.generate_ids(prompt, max_new_tokens=40, speculation="tree", num_draft_tokens=budget,
+                                    ignore_eos=True)
+        assert tree == base
 
 
 def test_tree_with_identical_draft_accepts_whole_depth(tiny_pair):
     import specdec_rt
+    from specdec_rt.runtime.tree import TreeShape
+
     gen = specdec_rt.load(tiny_pair["bundle_same"], threads=1)
     base = gen.generate_ids(PROMPTS[2], max_new_tokens=36, drafter=None, ignore_eos=True)
-    tree = gen.generate_ids(PROMPTS[2], max_new_tokens=36, speculation="tree", ignore_eos=True)
+    # random weights give flat draft distributions: switch the confidence stop off
+    shape = TreeShape(budget=15, depth=6, min_path_prob=0.0)
+    tree = gen.generate_ids(PROMPTS[2], max_new_tokens=36, speculation="tree", tree_shape=shape,
+                            ignore_eos=True)
     assert tree == base
     # the draft's greedy chain is always in the tree (as deep as the node budget allows) and the
     # target accepts all of it: far more than one token per call

@@ -22,8 +22,8 @@ CONFIGS = [
     dict(temperature=0.8, top_k=5, top_p=1.0, drafter="model", num_draft_tokens=2),
     dict(temperature=1.3, top_k=0, top_p=0.8, drafter="model", num_draft_tokens=3),
     dict(temperature=1.0, top_k=0, top_p=1.0, drafter="prompt_lookup", num_draft_tokens=2),
-    dict(temperature=1.0, top_k=0, top_p=1.0, drafter="model", num_draft_tokens=2, speculation="tree"),
-    dict(temperature=0.8, top_k=6, top_p=0.9, drafter="model", num_draft_tokens=2, speculation="tree"),
+    dict(temperature=1.0, top_k=0, top_p=1.0, drafter="model", num_draft_tokens=6, speculation="tree"),
+    dict(temperature=0.8, top_k=6, top_p=0.9, drafter="model", num_draft_tokens=9, speculation="tree"),
 ]
 
 

@@ -30,6 +30,7 @@ class BenchConfig:
     repeats: int = 2
     threads: int | None = None
     tree: bool = True
+    tree_budgets: list[int] = field(default_factory=lambda: [7, 15])
     auto: bool = True
     peer_cache: str = "out/peer-models"
     progress: bool = True
@@ -89,7 +90,10 @@ def _specs(cfg: BenchConfig, has_draft: bool) -> list[RunSpec]:
         if cfg.auto:
             specs.append(RunSpec(f"{drafter} K=auto", drafter, "auto"))
         if cfg.tree and drafter == "model":
-            specs.append(RunSpec("model tree", drafter, 4, "tree"))
+            for budget in cfg.tree_budgets:  # tree of N nodes vs chain K = N: equal verify width
+                if budget not in cfg.ks:
+                    specs.append(RunSpec(f"{drafter} K={budget}", drafter, budget))
+                specs.append(RunSpec(f"model tree N={budget}", drafter, budget, "tree"))
     return specs
 
 
@@ -108,8 +112,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     specs = _specs(cfg, gen.draft_engine is not None)
 
     # cost model: T(S) for S = 1..16 and the draft step, on a warm cache
-    t_curve = measure_engine(gen.target, list(range(1, 17)), past=64, reps=7)
-    draft_step = measure_engine(gen.draft_engine, [1], past=64, reps=15)[0] if gen.draft_engine else 0.0
+    t_curve = measure_engine(gen.target, list(range(1, 17)), past=128, reps=7)
+    draft_step = measure_engine(gen.draft_engine, [1], past=128, reps=15)[0] if gen.draft_engine else 0.0
     t1 = t_curve[0]
 
     bar = None

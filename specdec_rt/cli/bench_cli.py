@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=2, help="interleaved repeats per prompt")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-tree", action="store_true", help="skip tree speculation")
+    ap.add_argument("--tree-budgets", default="7,15",
+                    help="tree node budgets; each also runs a chain of the same verify width")
     ap.add_argument("--no-auto", action="store_true", help="skip adaptive K")
     ap.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
     ap.add_argument("--compare-graphs", action="store_true",
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             ks=[int(k) for k in _csv(args.k)], drafters=_csv(args.drafter), temperature=args.temperature,
             peers=_csv(args.peers), repeats=args.repeats, threads=args.threads, tree=not args.no_tree,
             auto=not args.no_auto, peer_cache=args.peer_cache, progress=not args.quiet,
-            compare_graphs=args.compare_graphs,
+            compare_graphs=args.compare_graphs, tree_budgets=[int(b) for b in _csv(args.tree_budgets)],
         )
         results = run_bench(cfg)
         results["command"] = "specdec-bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))

@@ -94,7 +94,7 @@ class Generator:
     def _loop(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_k: int,
               top_p: float, seed: int | None, num_draft_tokens: int | str, drafter: str | None,
               speculation: str, do_sample: bool | None, ignore_eos: bool,
-              stats: GenerationStats) -> Iterator[list[int]]:
+              stats: GenerationStats, tree_shape=None) -> Iterator[list[int]]:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
             raise GenerationInputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         if do_sample is False:
@@ -126,11 +126,14 @@ class Generator:
         if speculation == "chain":
             inner = run_chain(self.target, d, prompt_ids, cfg, rng, stats)
         elif speculation == "tree":
-            from specdec_rt.runtime.tree import run_tree
+            from specdec_rt.runtime.tree import TreeShape, run_tree
 
             if not isinstance(d, ModelDrafter):
                 raise GenerationInputError("speculation='tree' needs drafter='model'")
-            inner = run_tree(self.target, d, prompt_ids, cfg, rng, stats)
+            budget = 15 if num_draft_tokens == "auto" else max(1, int(num_draft_tokens))
+            cfg.policy = None  # the tree's size is its node budget; its depth adapts (TreeShape)
+            shape = tree_shape or TreeShape.for_budget(budget)
+            inner = run_tree(self.target, d, prompt_ids, cfg, rng, stats, shape)
         else:
             raise GenerationInputError(f"speculation must be 'chain' or 'tree', not {speculation!r}")
         yield from inner
@@ -143,7 +146,7 @@ class Generator:
                num_draft_tokens: int | str = 4, drafter: str | None = "model",
                speculation: str = "chain", stop: Sequence[str] | str | None = None,
                do_sample: bool | None = None, ignore_eos: bool = False,
-               result: GenerationResult | None = None) -> Iterator[str]:
+               result: GenerationResult | None = None, tree_shape=None) -> Iterator[str]:
         """Yield text pieces as tokens are committed. Pass ``result`` to collect ids and stats."""
         prompt_ids = self._prompt_ids(prompt)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
@@ -154,7 +157,8 @@ class Generator:
         held = ""  # text withheld because it may be the start of a stop string
         finish = "length"
         for new in self._loop(prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
-                              num_draft_tokens, drafter, speculation, do_sample, ignore_eos, stats):
+                              num_draft_tokens, drafter, speculation, do_sample, ignore_eos, stats,
+                              tree_shape):
             res.token_ids.extend(new)
             piece = decoder.push(new)
             if new and new[-1] in self.eos_token_ids and not ignore_eos:
@@ -187,11 +191,17 @@ class Generator:
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  num_draft_tokens: int | str = 4, drafter: str | None = "model",
                  speculation: str = "chain", stop: Sequence[str] | str | None = None,
-                 do_sample: bool | None = None, ignore_eos: bool = False) -> GenerationResult:
-        """Generate a completion. Greedy when ``temperature == 0`` (the default)."""
+                 do_sample: bool | None = None, ignore_eos: bool = False,
+                 tree_shape=None) -> GenerationResult:
+        """Generate a completion. Greedy when ``temperature == 0`` (the default).
+
+        With ``speculation="tree"``, ``num_draft_tokens`` is the tree's node budget (default
+        shape from :meth:`TreeShape.for_budget`; pass ``tree_shape`` to override it).
+        """
         result = GenerationResult("", [], GenerationStats())
         for _ in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, num_draft_tokens,
-                             drafter, speculation, stop, do_sample, ignore_eos, result=result):
+                             drafter, speculation, stop, do_sample, ignore_eos, result=result,
+                             tree_shape=tree_shape):
             pass
         result.text = self.tokenizer.decode(result.token_ids) if not stop else result.text
         return result
@@ -202,11 +212,12 @@ class Generator:
         out: list[int] = []
         args = dict(max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, seed=None,
                     num_draft_tokens=4, drafter="model", speculation="chain", do_sample=None,
-                    ignore_eos=False)
+                    ignore_eos=False, tree_shape=None)
         args.update(kwargs)
         for new in self._loop(self._prompt_ids(prompt_ids), args["max_new_tokens"], args["temperature"],
                               args["top_k"], args["top_p"], args["seed"], args["num_draft_tokens"],
-                              args["drafter"], args["speculation"], args["do_sample"], args["ignore_eos"], stats):
+                              args["drafter"], args["speculation"], args["do_sample"], args["ignore_eos"], stats,
+                              args["tree_shape"]):
             out.extend(new)
         self.last_stats = stats
         return out

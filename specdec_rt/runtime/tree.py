@@ -33,12 +33,23 @@ from specdec_rt.runtime.stats import GenerationStats
 
 @dataclass
 class TreeShape:
-    """Node budget (excluding the root), depth, nodes expanded per level, children per node."""
+    """Node budget (excluding the root), depth, nodes expanded per level, children per node.
+
+    ``min_path_prob``: stop growing the tree when the best node of the newest level has a
+    cumulative draft probability below this (the draft's own confidence says deeper levels
+    would not be accepted), saving draft calls.
+    """
 
     budget: int = 15
-    depth: int = 5
+    depth: int = 6
     beam: int = 3
     width: int = 3
+    min_path_prob: float = 0.05
+
+    @classmethod
+    def for_budget(cls, budget: int) -> "TreeShape":
+        """The default shape for a node budget (``num_draft_tokens`` with speculation="tree")."""
+        return cls(budget=budget, depth=max(1, min(budget, 6)))
 
 
 @dataclass
@@ -74,11 +85,15 @@ class TreeDrafter:
         for level in range(1, shape.depth + 1):
             created = []
             for ni in frontier:
+                if not params.greedy and len(nodes) - 1 + shape.width > shape.budget:
+                    break  # sampled trees keep every draw: stop expanding at the node budget
                 created += self._expand(nodes, ni, rows[ni], params, rng)
             if level == shape.depth or not created:
                 break
             # expand the best few of this level next (decided before their children are drawn)
             created.sort(key=lambda i: -nodes[i].score)
+            if np.exp(nodes[created[0]].score) < shape.min_path_prob:
+                break
             frontier = created[: shape.beam]
             if len(region) + len(frontier) > room:
                 break
