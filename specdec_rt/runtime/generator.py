@@ -103,16 +103,18 @@ class Generator:
         if do_sample and params.greedy:
             raise SamplingParamsError("do_sample=True needs temperature > 0")
         policy = None
-        if num_draft_tokens == "auto":
+        if num_draft_tokens == "auto" and speculation == "chain":
             from specdec_rt.runtime.policy import make_policy
 
             policy = make_policy(self, drafter)
             k = 0
-        else:
+        elif num_draft_tokens != "auto":
             if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, (int, np.integer)) \
                     or not 0 <= num_draft_tokens <= 64:
                 raise GenerationInputError(f"num_draft_tokens must be 0..64 or 'auto', got {num_draft_tokens!r}")
             k = int(num_draft_tokens)
+        else:
+            k = 0
         d = self._drafter(drafter)
         if policy is not None and isinstance(d, ModelDrafter):
             d.confidence_floor = policy.confidence_floor()
@@ -131,7 +133,6 @@ class Generator:
             if not isinstance(d, ModelDrafter):
                 raise GenerationInputError("speculation='tree' needs drafter='model'")
             budget = 15 if num_draft_tokens == "auto" else max(1, int(num_draft_tokens))
-            cfg.policy = None  # the tree's size is its node budget; its depth adapts (TreeShape)
             shape = tree_shape or TreeShape.for_budget(budget)
             inner = run_tree(self.target, d, prompt_ids, cfg, rng, stats, shape)
         else:
