@@ -107,6 +107,9 @@ def train(kind, args):
     train_s, held_s = token_streams()
     print(f"train tokens {len(train_s):,}  held-out tokens {len(held_s):,}", flush=True)
     model = make_model(TARGET_SHAPE if kind == "target" else DRAFT_SHAPE)
+    if args.init:  # continue from saved weights (second distillation stage of the draft)
+        from transformers import LlamaForCausalLM
+        model = LlamaForCausalLM.from_pretrained(args.init, dtype=torch.float32)
     model.train()
     teacher = None
     if kind == "draft":
@@ -203,6 +206,7 @@ def main():
     ap.add_argument("--no-bf16", dest="bf16", action="store_false",
                     help="disable CPU bf16 autocast (weights/optimizer stay fp32 either way)")
     ap.add_argument("--out", help="output folder (default models/reference/<kind>)")
+    ap.add_argument("--init", help="start from this checkpoint folder instead of random weights")
     ap.add_argument("--teacher", help="draft: teacher folder (default models/reference/target)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
