@@ -30,7 +30,7 @@ class BenchConfig:
     repeats: int = 2
     threads: int | None = None
     tree: bool = True
-    tree_budgets: list[int] = field(default_factory=lambda: [7, 15])
+    tree_budgets: list[int] = field(default_factory=lambda: [7, 10, 15])
     auto: bool = True
     peer_cache: str = "out/peer-models"
     progress: bool = True

@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=2, help="interleaved repeats per prompt")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-tree", action="store_true", help="skip tree speculation")
-    ap.add_argument("--tree-budgets", default="7,15",
+    ap.add_argument("--tree-budgets", default="7,10,15",
                     help="tree node budgets; each also runs a chain of the same verify width")
     ap.add_argument("--no-auto", action="store_true", help="skip adaptive K")
     ap.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")

@@ -117,7 +117,7 @@ class Generator:
         else:
             k = 0
         d = self._drafter(drafter)
-        if policy is not None and isinstance(d, ModelDrafter):
+        if policy is not None and isinstance(d, ModelDrafter) and policy.use_confidence_stop:
             d.confidence_floor = policy.confidence_floor()
         stats.prompt_tokens = len(prompt_ids)
         stats.drafter = None if d is None else d.name
