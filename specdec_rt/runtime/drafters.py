@@ -49,6 +49,11 @@ class ModelDrafter:
 
     def _step(self, new_tokens: list[int]) -> np.ndarray:
         eng = self.engine
+        if len(new_tokens) == 1:
+            row = eng.step(new_tokens[0])
+            self._seen.append(new_tokens[0])
+            self.calls += 1
+            return row
         p = eng.length
         positions = np.arange(p, p + len(new_tokens), dtype=np.int64)
         logits = eng.forward(np.asarray(new_tokens, dtype=np.int64), positions, causal_mask(p, positions,

@@ -101,6 +101,9 @@ class OrtEngine:
         self._names = [(f"past_key.{i}", f"past_value.{i}", f"new_key.{i}", f"new_value.{i}")
                        for i in range(info.num_layers)]
         self._out_names = ["logits"] + [n for names in self._names for n in names[2:]]
+        self._ids1 = np.zeros((1, 1), dtype=np.int64)
+        self._pos1 = np.zeros((1, 1), dtype=np.int64)
+        self._zeros = np.zeros(max_len, dtype=np.float32)
         if self.device == "cpu":
             self._host_layers = [(pk, pv, self.cache.keys[i], self.cache.values[i])
                                  for i, (pk, pv, _, _) in enumerate(self._names)]
@@ -168,6 +171,25 @@ class OrtEngine:
         self.model_time += time.perf_counter() - t0
         self.calls += 1
         return self._logits[0, :s]
+
+    def step(self, token: int) -> np.ndarray:
+        """One token at the next position (the draft's hot path); returns its logits row.
+
+        Same result as ``forward([token], [length], causal_mask(...))`` without building the
+        inputs: ids and position live in preallocated arrays and the all-zero mask is a view of
+        a preallocated zero row. Commits the token.
+        """
+        p = self.length
+        window = self.info.sliding_window
+        if self.io_binding or (window and p >= window) or p + 1 > self.max_len:
+            pos = np.array([p], dtype=np.int64)
+            row = self.forward(np.array([token], dtype=np.int64), pos, causal_mask(p, pos, window))[-1]
+        else:
+            self._ids1[0, 0] = token
+            self._pos1[0, 0] = p
+            row = self._forward_run(self._ids1, self._pos1, self._zeros[: p + 1], 1, p)[-1]
+        self.length = p + 1
+        return row
 
     def _forward_run(self, input_ids, positions, mask, s: int, p: int) -> np.ndarray:
         """Host path: past fed as zero-copy views, the S new K/V rows copied into place."""

@@ -80,14 +80,17 @@ def run_chain(target: OrtEngine, drafter: Drafter | None, prompt: list[int], cfg
             drafts, q = drafter.propose(tokens, k, params, rng)
             stats.time_draft += time.perf_counter() - t0
         t0 = time.perf_counter()
-        ids = np.asarray([tokens[-1]] + drafts, dtype=np.int64)
-        positions = np.arange(p, p + len(ids), dtype=np.int64)
-        logits = target.forward(ids, positions, causal_mask(p, positions, window))
-        if params.greedy:
-            n_acc, nxt = accept_chain_greedy(np.argmax(logits, axis=-1), drafts)
+        if not drafts:  # plain decode step (target-only, or nothing worth drafting)
+            n_acc, nxt = 0, _pick(target.step(tokens[-1]), params, rng)
         else:
-            n_acc, nxt = accept_chain_sampled(probabilities(logits, params), q, drafts, rng)
-        target.commit(n_acc + 1)
+            ids = np.asarray([tokens[-1]] + drafts, dtype=np.int64)
+            positions = np.arange(p, p + len(ids), dtype=np.int64)
+            logits = target.forward(ids, positions, causal_mask(p, positions, window))
+            if params.greedy:
+                n_acc, nxt = accept_chain_greedy(np.argmax(logits, axis=-1), drafts)
+            else:
+                n_acc, nxt = accept_chain_sampled(probabilities(logits, params), q, drafts, rng)
+            target.commit(n_acc + 1)
         stats.time_verify += time.perf_counter() - t0
         stats.target_calls += 1
         if drafts:
