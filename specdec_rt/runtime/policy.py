@@ -39,24 +39,24 @@ class CostModel:
 
 
 def measure_engine(engine: OrtEngine, sizes: list[int], past: int = 64, reps: int = 5) -> list[float]:
-    """Median wall time of a forward call with S new tokens on a cache of ``past`` positions."""
+    """Least-disturbed wall time of a forward call with S new tokens on a ``past``-position cache."""
     past = min(past, engine.max_len - max(sizes) - 1)
     engine.reset()
     pos = np.arange(past)
     engine.forward(np.zeros(past, dtype=np.int64), pos, causal_mask(0, pos))
     engine.commit(past)
-    out = []
+    calls = []
     for s in sizes:
         pos = np.arange(past, past + s)
-        ids = np.zeros(s, dtype=np.int64)
-        mask = causal_mask(past, pos)
-        engine.forward(ids, pos, mask)  # warm this shape
-        times = []
-        for _ in range(reps):
+        calls.append((np.zeros(s, dtype=np.int64), pos, causal_mask(past, pos)))
+        engine.forward(*calls[-1])  # warm this shape
+    best = [float("inf")] * len(sizes)
+    for _ in range(reps):  # round robin over S, so drift on a shared machine hits every S alike
+        for i, args in enumerate(calls):
             t0 = time.perf_counter()
-            engine.forward(ids, pos, mask)
-            times.append(time.perf_counter() - t0)
-        out.append(float(np.min(times)))  # the least disturbed run on a shared machine
+            engine.forward(*args)
+            best[i] = min(best[i], time.perf_counter() - t0)  # the least disturbed run
+    out = best
     engine.reset()
     return list(np.maximum.accumulate(out))  # T(S) is non-decreasing; smooth out noise
 
