@@ -71,18 +71,20 @@ def plots(results: dict, out: Path) -> list[str]:
     # speedup vs K, measured and ideal from measured alpha and costs
     fig, ax = plt.subplots(figsize=(6, 4))
     for drafter in ("model", "prompt_lookup"):
-        pts = [(r["k"], r["speedup"], r["alpha"], r["c"]) for r in rows
+        pts = [(r["k"], r["speedup"], r["alpha"], r["c"], r["ideal_speedup"]) for r in rows
                if r["drafter"] == drafter and r["speculation"] == "chain" and isinstance(r["k"], int)]
         if not pts:
             continue
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{drafter}: measured")
-        if drafter == "model":
-            alpha = sum(p[2] for p in pts) / len(pts)
-            c = pts[0][3]
+        line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{drafter}: measured")
+        ax.plot([p[0] for p in pts], [p[4] for p in pts], "x:", color=line.get_color(),
+                label=f"{drafter}: ideal from measured tokens/call and costs")
+        if drafter == "model" and pts[0][0] == 1:
+            # Leviathan et al.'s i.i.d. model, alpha = per-token acceptance measured at K = 1
+            alpha, c = pts[0][2], pts[0][3]
             ks = list(range(1, 17))
-            ax.plot(ks, [ideal_speedup(alpha, k, c, ratio[min(k, 15)]) for k in ks], "--",
-                    label=f"ideal (alpha={alpha:.2f}, c={c:.3f})")
+            ax.plot(ks, [ideal_speedup(alpha, k, c, ratio[min(k, 15)]) for k in ks], "--", lw=1,
+                    label=f"Leviathan i.i.d. (alpha={alpha:.2f} at K=1, c={c:.3f})")
     for r in rows:
         if r["k"] == "auto" or r["speculation"] == "tree":
             ax.axhline(r["speedup"], ls=":", lw=1, color="gray")
