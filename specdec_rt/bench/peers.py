@@ -435,7 +435,7 @@ def available_peers() -> dict[str, str | None]:
         og = _import_genai()
         reason = None
         # find_spec, not import: importing the builder pulls in torch/transformers/onnx (~10 s)
-        for mod in ("onnxruntime_genai.models.builder", "onnx", "torch", "transformers"):
+        for mod in ("onnxruntime_genai.models.builder", "onnx", "onnx_ir", "safetensors", "torch", "transformers"):
             if importlib.util.find_spec(mod) is None:
                 reason = f"onnxruntime-genai's model builder needs {mod!r}, which is not installed"
                 break
