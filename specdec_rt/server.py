@@ -207,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens-limit", type=int, default=2048)
     args = ap.parse_args(argv)
     try:
+        from specdec_rt.runtime.engine import enable_shared_thread_pool
+
+        enable_shared_thread_pool(args.threads)  # a dedicated process: share one ORT thread pool
         server = make_server(args.bundle, args.host, args.port, args.provider, args.draft_provider,
                              args.threads, args.max_length, args.max_new_tokens_limit)
     except USER_ERRORS as exc:

@@ -105,7 +105,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     import specdec_rt
     from specdec_rt.runtime.policy import measure_engine
 
-    gen = specdec_rt.load(cfg.bundle, threads=cfg.threads)
+    gen = specdec_rt.load(cfg.bundle, threads=cfg.threads, shared_thread_pool=True)
     prompts = [gen.tokenizer.encode(p) for p in cfg.prompts]
     limit = gen.max_length - cfg.max_new_tokens - 1
     prompts = [p[-limit:] for p in prompts]

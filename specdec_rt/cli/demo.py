@@ -28,13 +28,16 @@ def run_demo(bundle_dir: Path, args) -> int:
     import specdec_rt
     from specdec_rt.export.pipeline import ExportOptions, export_pair
 
+    from specdec_rt.runtime.engine import enable_shared_thread_pool
+
+    enable_shared_thread_pool(args.threads)  # before any session: export validation runs on it too
     ref = reference_dir()
     t0 = time.perf_counter()
     print(f"exporting the reference pair from {ref} to {bundle_dir} ...", flush=True)
     export_pair(ref / "target", ref / "draft", bundle_dir, ExportOptions(progress=True))
     print(f"export took {time.perf_counter() - t0:.1f} s", flush=True)
 
-    gen = specdec_rt.load(bundle_dir, provider=args.provider, threads=args.threads)
+    gen = specdec_rt.load(bundle_dir, provider=args.provider, threads=args.threads, shared_thread_pool=True)
     prompt = args.prompt or reference_prompts(ref)[0]["prompt"]
     k = args.num_draft_tokens
     n = args.max_new_tokens

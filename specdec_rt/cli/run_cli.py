@@ -47,7 +47,7 @@ def _run(args) -> int:
     import specdec_rt
 
     gen = specdec_rt.load(args.bundle, provider=args.provider, draft_provider=args.draft_provider,
-                          threads=args.threads)
+                          threads=args.threads, shared_thread_pool=True)
     kwargs = generation_kwargs(args)
     if args.chat:
         for line in sys.stdin:

@@ -65,9 +65,9 @@ class _OrtRunner:
     def __init__(self, onnx_path: str, spec: ArchSpec, kv_dtype: np.dtype) -> None:
         import onnxruntime as ort
 
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
-        self.sess = ort.InferenceSession(onnx_path, opts, providers=["CPUExecutionProvider"])
+        from specdec_rt.runtime.engine import session_options
+
+        self.sess = ort.InferenceSession(onnx_path, session_options(), providers=["CPUExecutionProvider"])
         self.spec = spec
         self.kv_dtype = kv_dtype
 
