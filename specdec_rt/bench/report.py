@@ -115,7 +115,7 @@ def plots(results: dict, out: Path) -> list[str]:
         if acc and r["drafter"] == "model":
             ax.plot(range(1, len(acc) + 1), acc, "o-", label=r["name"], ms=3)
     ax.set_xlabel("draft position")
-    ax.set_ylabel("P(accept | previous accepted)")
+    ax.set_ylabel("share of drafted positions accepted")
     ax.set_ylim(0, 1.05)
     ax.legend(fontsize=7)
     ax.set_title("Per-position acceptance")
