@@ -57,8 +57,6 @@ def test_identical_draft_accepts_everything(tiny_pair):
 
 def test_rollback_leaves_cache_equal_to_fresh_prefill(tiny_pair, any_gen):
     """After many accept/reject rounds, the committed cache equals a fresh prefill's."""
-    from specdec_rt.runtime.engine import causal_mask
-
     prompt = PROMPTS[1]
     tiny_gen = any_gen
     out = tiny_gen.generate_ids(prompt, max_new_tokens=48, num_draft_tokens=4, ignore_eos=True)
@@ -73,14 +71,21 @@ def test_rollback_leaves_cache_equal_to_fresh_prefill(tiny_pair, any_gen):
     draft_cache = [draft.cache.read(l, 0, draft_len) for l in range(draft.info.num_layers)]
 
     for eng, cached, n in ((target, spec_cache, target.length), (draft, draft_cache, draft_len)):
-        eng.reset()
-        pos = np.arange(n)
-        eng.forward(np.asarray(tokens[:n]), pos, causal_mask(0, pos))
-        eng.commit(n)
-        for layer, (k, v) in enumerate(cached):
-            fk, fv = eng.cache.read(layer, 0, n)
-            np.testing.assert_allclose(k, fk, atol=1e-5)
-            np.testing.assert_allclose(v, fv, atol=1e-5)
+        assert_cache_equals_fresh_prefill(eng, cached, tokens, n)
+
+
+def assert_cache_equals_fresh_prefill(eng, cached, tokens, n):
+    """Re-prefill ``tokens[:n]`` into ``eng`` and compare its K/V with ``cached``."""
+    from specdec_rt.runtime.engine import causal_mask
+
+    eng.reset()
+    pos = np.arange(n)
+    eng.forward(np.asarray(tokens[:n]), pos, causal_mask(0, pos))
+    eng.commit(n)
+    for layer, (k, v) in enumerate(cached):
+        fk, fv = eng.cache.read(layer, 0, n)
+        np.testing.assert_allclose(k, fk, atol=1e-5)
+        np.testing.assert_allclose(v, fv, atol=1e-5)
 
 
 def test_stream_commits_the_same_tokens(tiny_gen):
@@ -135,8 +140,6 @@ def test_tree_with_identical_draft_accepts_whole_depth(tiny_pair):
 
 
 def test_tree_cache_equals_fresh_prefill(any_gen):
-    from specdec_rt.runtime.engine import causal_mask
-
     prompt = PROMPTS[1]
     out = any_gen.generate_ids(prompt, max_new_tokens=40, speculation="tree", ignore_eos=True)
     tokens = prompt + out
@@ -144,14 +147,7 @@ def test_tree_cache_equals_fresh_prefill(any_gen):
     n = target.length
     assert n == len(tokens) - 1
     cached = [target.cache.read(l, 0, n) for l in range(target.info.num_layers)]
-    target.reset()
-    pos = np.arange(n)
-    target.forward(np.asarray(tokens[:n]), pos, causal_mask(0, pos))
-    target.commit(n)
-    for layer, (k, v) in enumerate(cached):
-        fk, fv = target.cache.read(layer, 0, n)
-        np.testing.assert_allclose(k, fk, atol=1e-5)
-        np.testing.assert_allclose(v, fv, atol=1e-5)
+    assert_cache_equals_fresh_prefill(target, cached, tokens, n)
 
 
 @pytest.mark.parametrize("drafter", ["model", "prompt_lookup"])

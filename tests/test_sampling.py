@@ -75,7 +75,6 @@ def gen(tiny_vocab_pair):
                          f"{c['drafter']}-{c.get('speculation', 'chain')}")
 def test_sampled_tokens_follow_target_distribution(tiny_vocab_pair, gen, cfg):
     joint = exact_joint(tiny_vocab_pair["target"], cfg["temperature"], cfg["top_k"], cfg["top_p"])
-    v = joint.shape[0]
     counts = np.zeros_like(joint)
     rejected = proposed = 0
     for seed in range(N_RUNS):

@@ -137,7 +137,6 @@ def _partial_rotary_factor(cfg) -> float:
 
 def _special_tokens(config) -> tuple[list[int], int | None, int | None]:
     eos = getattr(config, "eos_token_id", None)
-    gen = getattr(config, "generation_config", None)
     eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     return eos_ids, getattr(config, "bos_token_id", None), getattr(config, "pad_token_id", None)
 

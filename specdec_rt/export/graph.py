@@ -168,7 +168,7 @@ class GraphBuilder:
 
     # -- rotary -----------------------------------------------------------------------------
     def _rope_setup(self) -> None:
-        s, g = self.spec, self.g
+        g = self.g
         self._cos = g.const(self.w.rope_cos, "cos_cache")
         self._sin = g.const(self.w.rope_sin, "sin_cache")
         if not self.opt.fused:

@@ -32,6 +32,15 @@ class LoopConfig:
     policy: DraftLengthPolicy | None = None
 
 
+def clip_new_tokens(new: list[int], budget: int, eos: set[int]) -> list[int]:
+    """Committed tokens of one step, cut at the max_new_tokens budget and after the first EOS."""
+    new = new[:budget]
+    for i, tok in enumerate(new):
+        if tok in eos:
+            return new[: i + 1]
+    return new
+
+
 def _pick(row: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
     if params.greedy:
         return int(np.argmax(row))
@@ -96,12 +105,7 @@ def run_chain(target: OrtEngine, drafter: Drafter | None, prompt: list[int], cfg
         if drafts:
             stats.record(len(drafts), n_acc)
         stats.draft_lengths.append(len(drafts))
-        new = drafts[:n_acc] + [nxt]
-        new = new[: cfg.max_new_tokens - generated]
-        for i, tok in enumerate(new):
-            if tok in eos:
-                new = new[: i + 1]
-                break
+        new = clip_new_tokens(drafts[:n_acc] + [nxt], cfg.max_new_tokens - generated, eos)
         tokens.extend(new)
         generated += len(new)
         if drafter is not None:

@@ -27,7 +27,7 @@ import numpy as np
 from specdec_rt.runtime.drafters import ModelDrafter
 from specdec_rt.runtime.engine import OrtEngine, causal_mask, tree_mask
 from specdec_rt.runtime.sampling import SamplingParams, probabilities, sample
-from specdec_rt.runtime.speculative import LoopConfig, _pick
+from specdec_rt.runtime.speculative import LoopConfig, _pick, clip_new_tokens
 from specdec_rt.runtime.stats import GenerationStats
 
 
@@ -283,12 +283,7 @@ def run_tree(target: OrtEngine, drafter: ModelDrafter, prompt: list[int], cfg: L
         n_acc = len(path) - 1
         stats.record(int(depth.max()), n_acc)
         stats.draft_lengths.append(len(tree) - 1)
-        new = [tree[i].token for i in path[1:]] + [nxt]
-        new = new[: cfg.max_new_tokens - generated]
-        for i, tok in enumerate(new):
-            if tok in eos:
-                new = new[: i + 1]
-                break
+        new = clip_new_tokens([tree[i].token for i in path[1:]] + [nxt], cfg.max_new_tokens - generated, eos)
         tokens.extend(new)
         generated += len(new)
         drafter.sync(tokens)
