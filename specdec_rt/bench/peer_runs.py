@@ -44,16 +44,19 @@ def _summarize(runs: list, system: str, k, base_outputs: dict, our_tps: float, o
     return row
 
 
-def run_peers(cfg, gen, prompts: list[list[int]], base: dict, base_tps: float, acc: dict) -> list[dict]:
+def run_peers(cfg, gen, prompts: list[list[int]], base: dict, acc: dict) -> list[dict]:
     """Peers on the same checkpoints, prompts and thread count; each row says what ran."""
     from tqdm import tqdm
 
     target_dir, draft_dir = _source_dirs(gen)
     base_outputs = base["outputs"]
-    chain = [(name, a) for name, a in acc.items() if name.startswith("model K=")]
-    our_k_tps = {int(n.split("=")[1]) if n.split("=")[1].isdigit() else n.split("=")[1]:
-                 a["tokens"] / a["seconds"] for n, a in chain}
-    best = max([a["tokens"] / a["seconds"] for a in acc.values()])
+    def k_of(name: str) -> int | str:  # "model K=4" -> 4, "model K=auto" -> "auto"
+        k = name.split("=", 1)[1]
+        return int(k) if k.isdigit() else k
+
+    our_k_tps = {k_of(name): a["tokens"] / a["seconds"] for name, a in acc.items()
+                 if name.startswith("model K=")}
+    best = max(a["tokens"] / a["seconds"] for a in acc.values())
     avail = P.available_peers()
     out: list[dict] = []
     n = cfg.max_new_tokens

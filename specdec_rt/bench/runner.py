@@ -222,5 +222,5 @@ def run_bench(cfg: BenchConfig) -> dict:
     if cfg.peers:
         from specdec_rt.bench.peer_runs import run_peers
 
-        results["peers"] = run_peers(cfg, gen, prompts, base, base_tps, acc)
+        results["peers"] = run_peers(cfg, gen, prompts, base, acc)
     return results
