@@ -1,0 +1,29 @@
+"""specdec-bench end to end on the tiny pair: files written, figures consistent, peers compared."""
+from __future__ import annotations
+
+import json
+
+from specdec_rt.cli.bench_cli import main
+
+
+def test_bench_writes_results_table_and_plots(tiny_pair, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def add(a, b):", "x = [1, 2, 3]\n"]))
+    out = tmp_path / "bench"
+    rc = main(["--bundle", str(tiny_pair["bundle"]), "--prompts", str(prompts), "--max-new-tokens", "12",
+               "--k", "1,2", "--tree-budgets", "3", "--repeats", "1", "--peers", "transformers",
+               "--out", str(out), "--quiet"])
+    assert rc == 0
+    for name in ("results.json", "results.md", "speedup_vs_k.png", "target_time.png", "acceptance.png"):
+        assert (out / name).is_file(), name
+    res = json.loads((out / "results.json").read_text())
+    names = [r["name"] for r in res["rows"]]
+    assert names[0] == "target-only"
+    assert {"model K=1", "model K=2", "model K=auto", "model K=3", "model tree N=3",
+            "prompt_lookup K=1"} <= set(names)
+    assert all(r["identical_to_target_only"] for r in res["rows"])  # greedy: every mode exact
+    assert len(res["target_time_curve"]["seconds"]) == 16
+    peers = {p["system"]: p for p in res["peers"]}
+    assert peers["transformers generate"]["identical_to_target_only"]
+    assert peers["transformers assisted"]["identical_to_target_only"]
+    assert "| target-only |" in (out / "results.md").read_text()
