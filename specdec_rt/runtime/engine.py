@@ -109,7 +109,44 @@ def provider_options(provider: str, bundle_root: Path | None, info: ModelInfo, m
     return [(name, trt), ("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
 
 
-class OrtEngine:
+class EngineBase:
+    """The cache bookkeeping every engine shares: ``length`` committed positions in ``cache``.
+
+    Subclasses provide ``forward(ids, positions, mask)`` writing new K/V at [length, length + S).
+    """
+
+    length: int
+    cache: KVCache
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def rollback(self, length: int) -> None:
+        """O(1): forget everything after ``length``."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length} (cache holds {self.length})")
+        self.length = length
+
+    def commit(self, n: int) -> None:
+        """Keep the first ``n`` positions written by the last forward call."""
+        self.length += n
+
+    def compact(self, src_offsets: list[int]) -> None:
+        """Keep the forward call's slots ``src_offsets`` (relative to ``length``) in order."""
+        self.cache.gather_into([self.length + s for s in src_offsets], self.length)
+        self.length += len(src_offsets)
+
+    def step(self, token: int) -> np.ndarray:
+        """One token at the next position; returns its logits row and commits it."""
+        p = self.length
+        pos = np.array([p], dtype=np.int64)
+        row = self.forward(np.array([token], dtype=np.int64), pos,
+                           causal_mask(p, pos, self.info.sliding_window))[-1]
+        self.length = p + 1
+        return row
+
+
+class OrtEngine(EngineBase):
     """A model graph plus its KV cache. ``length`` is the number of committed positions."""
 
     def __init__(self, graph_path: str | os.PathLike, info: ModelInfo, max_len: int,
@@ -156,25 +193,6 @@ class OrtEngine:
         self.calls = 0
         self.model_time = 0.0  # seconds inside ONNX Runtime: the loop's overhead is the rest
 
-    # -- cache bookkeeping ------------------------------------------------------------------
-    def reset(self) -> None:
-        self.length = 0
-
-    def rollback(self, length: int) -> None:
-        """O(1): forget everything after ``length``."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot roll back to {length} (cache holds {self.length})")
-        self.length = length
-
-    def commit(self, n: int) -> None:
-        """Keep the first ``n`` positions written by the last forward call."""
-        self.length += n
-
-    def compact(self, src_offsets: list[int]) -> None:
-        """Keep the forward call's slots ``src_offsets`` (relative to ``length``) in order."""
-        self.cache.gather_into([self.length + s for s in src_offsets], self.length)
-        self.length += len(src_offsets)
-
     # -- forward ----------------------------------------------------------------------------
     def forward(self, input_ids: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """Run S new tokens against the committed cache; return logits [S, V] (a view).
@@ -220,12 +238,10 @@ class OrtEngine:
         p = self.length
         window = self.info.sliding_window
         if self.io_binding or (window and p >= window) or p + 1 > self.max_len:
-            pos = np.array([p], dtype=np.int64)
-            row = self.forward(np.array([token], dtype=np.int64), pos, causal_mask(p, pos, window))[-1]
-        else:
-            self._ids1[0, 0] = token
-            self._pos1[0, 0] = p
-            row = self._forward_run(self._ids1, self._pos1, self._zeros[: p + 1], 1, p)[-1]
+            return super().step(token)
+        self._ids1[0, 0] = token
+        self._pos1[0, 0] = p
+        row = self._forward_run(self._ids1, self._pos1, self._zeros[: p + 1], 1, p)[-1]
         self.length = p + 1
         return row
 

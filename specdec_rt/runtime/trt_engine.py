@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from specdec_rt.runtime.bundle import MANIFEST, BundleError, ModelInfo
-from specdec_rt.runtime.engine import ContextOverflowError
+from specdec_rt.runtime.engine import ContextOverflowError, EngineBase
 from specdec_rt.runtime.providers import BackendUnavailableError
 
 ALIGN = 256  # TensorRT's required I/O tensor address alignment
@@ -184,7 +184,7 @@ def _round_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
-class TrtEngine:
+class TrtEngine(EngineBase):
     """A deserialized ``<role>.engine`` plus its device KV cache; drop-in for ``OrtEngine``."""
 
     device = "cuda"
@@ -265,22 +265,6 @@ class TrtEngine:
             if got != np.dtype(dtype):
                 raise BundleError(f"TensorRT engine tensor '{name}' is {got}, the runtime binds "
                                   f"{np.dtype(dtype)}; rebuild the engine from this bundle's graph")
-
-    # -- cache bookkeeping (identical semantics to OrtEngine) ----------------------------------
-    def reset(self) -> None:
-        self.length = 0
-
-    def rollback(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot roll back to {length} (cache holds {self.length})")
-        self.length = length
-
-    def commit(self, n: int) -> None:
-        self.length += n
-
-    def compact(self, src_offsets: list[int]) -> None:
-        self.cache.gather_into([self.length + s for s in src_offsets], self.length)
-        self.length += len(src_offsets)
 
     # -- forward ----------------------------------------------------------------------------
     def forward(self, input_ids: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> np.ndarray:
