@@ -139,12 +139,18 @@ class TreeDrafter:
         node, w = nodes[ni], self.shape.width
         created = []
         if params.greedy:
-            logp = row - row.max()
-            logp = logp - np.log(np.exp(logp).sum())
-            top = np.argpartition(-logp, w)[:w] if w < len(logp) else np.arange(len(logp))
-            for tok in top[np.argsort(-logp[top])]:
-                nodes.append(_Node(int(tok), ni, node.depth + 1, node.score + float(logp[tok])))
-                node.children[int(tok)] = len(nodes) - 1
+            # the top w by repeated argmax (w is small: cheaper than a partition of V entries)
+            scratch = row.copy()
+            top = []
+            for _ in range(min(w, len(row))):
+                tok = int(np.argmax(scratch))
+                top.append(tok)
+                scratch[tok] = -np.inf
+            best = row[top[0]]
+            log_z = float(best + np.log(np.exp(row - best).sum()))
+            for tok in top:  # already in descending order
+                nodes.append(_Node(tok, ni, node.depth + 1, node.score + float(row[tok]) - log_z))
+                node.children[tok] = len(nodes) - 1
                 created.append(len(nodes) - 1)
             return created
         q = probabilities(row[None, :], params)[0]
