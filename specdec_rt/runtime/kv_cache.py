@@ -10,6 +10,17 @@ from __future__ import annotations
 import numpy as np
 
 
+def set_layout(cache, num_layers: int, max_len: int, num_kv_heads: int, head_dim: int,
+               dtype: np.dtype) -> None:
+    """The shape attributes every cache variant (host, ORT device, TensorRT) exposes."""
+    cache.num_layers = num_layers
+    cache.max_len = max_len
+    cache.heads = num_kv_heads
+    cache.head_dim = head_dim
+    cache.dtype = np.dtype(dtype)
+    cache.token_bytes = num_kv_heads * head_dim * cache.dtype.itemsize
+
+
 class KVCache:
     """Host buffers (numpy). Also the reference for the device variant's behaviour."""
 
@@ -17,12 +28,7 @@ class KVCache:
 
     def __init__(self, num_layers: int, max_len: int, num_kv_heads: int, head_dim: int,
                  dtype: np.dtype) -> None:
-        self.num_layers = num_layers
-        self.max_len = max_len
-        self.heads = num_kv_heads
-        self.head_dim = head_dim
-        self.dtype = np.dtype(dtype)
-        self.token_bytes = num_kv_heads * head_dim * self.dtype.itemsize
+        set_layout(self, num_layers, max_len, num_kv_heads, head_dim, dtype)
         shape = (1, max_len, num_kv_heads, head_dim)
         # one allocation per layer and kind, for the life of the engine
         self.keys = [np.zeros(shape, dtype=self.dtype) for _ in range(num_layers)]
@@ -68,12 +74,7 @@ class CudaKVCache(KVCache):
                  dtype: np.dtype, device_id: int = 0) -> None:  # pragma: no cover - needs a GPU
         import onnxruntime as ort
 
-        self.num_layers = num_layers
-        self.max_len = max_len
-        self.heads = num_kv_heads
-        self.head_dim = head_dim
-        self.dtype = np.dtype(dtype)
-        self.token_bytes = num_kv_heads * head_dim * self.dtype.itemsize
+        set_layout(self, num_layers, max_len, num_kv_heads, head_dim, dtype)
         self.device_id = device_id
         shape = [1, max_len, num_kv_heads, head_dim]
         alloc = lambda: ort.OrtValue.ortvalue_from_shape_and_type(shape, self.dtype, "cuda", device_id)  # noqa: E731

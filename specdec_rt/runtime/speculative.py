@@ -47,35 +47,60 @@ def _pick(row: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> 
     return sample(probabilities(row[None, :], params)[0], rng)
 
 
+def prefill(target: OrtEngine, drafter, prompt: list[int], params: SamplingParams,
+            rng: np.random.Generator, stats: GenerationStats, t_start: float) -> list[int]:
+    """Prompt through the target, first token picked; returns the committed tokens.
+
+    Leaves the loop invariant in place: the target cache holds every token but the last.
+    """
+    target.reset()
+    positions = np.arange(len(prompt), dtype=np.int64)
+    logits = target.forward(np.asarray(prompt, dtype=np.int64), positions,
+                            causal_mask(0, positions, target.info.sliding_window))
+    tokens = list(prompt) + [_pick(logits[-1], params, rng)]
+    target.commit(len(prompt))
+    if drafter is not None:
+        drafter.start(prompt)
+    stats.time_prefill = stats.time_total = time.perf_counter() - t_start
+    stats.new_tokens = 1
+    return tokens
+
+
+class StepClock:
+    """Decode-time accounting shared by the chain and tree loops."""
+
+    def __init__(self, target: OrtEngine, drafter, t_start: float) -> None:
+        self.engines = [e for e in (target, getattr(drafter, "engine", None)) if e is not None]
+        self.t_start = t_start
+        self.model_t0 = self._model_time()
+
+    def _model_time(self) -> float:
+        return sum(e.model_time for e in self.engines)
+
+    def commit(self, stats: GenerationStats, tokens: list[int], new: list[int], drafter) -> None:
+        """Append one step's tokens, let the drafter catch up, refresh the stats."""
+        tokens.extend(new)
+        if drafter is not None:
+            drafter.sync(tokens)
+        stats.new_tokens += len(new)
+        stats.time_total = time.perf_counter() - self.t_start
+        stats.time_in_models = self._model_time() - self.model_t0
+
+
 def run_chain(target: OrtEngine, drafter: Drafter | None, prompt: list[int], cfg: LoopConfig,
               rng: np.random.Generator, stats: GenerationStats) -> Iterator[list[int]]:
     """Yield lists of newly committed token ids, one list per target call."""
     t_start = time.perf_counter()
-    target.reset()
-    tokens = list(prompt)
     window = target.info.sliding_window
     eos = set() if cfg.ignore_eos else set(cfg.eos_token_ids)
     params = cfg.params
-
-    # prefill
-    positions = np.arange(len(tokens), dtype=np.int64)
-    logits = target.forward(np.asarray(tokens, dtype=np.int64), positions, causal_mask(0, positions, window))
-    first = _pick(logits[-1], params, rng)
-    target.commit(len(tokens))
-    tokens.append(first)
-    if drafter is not None:
-        drafter.start(prompt)
-    stats.time_prefill = time.perf_counter() - t_start
-    stats.new_tokens = 1
-    engines = [e for e in (target, getattr(drafter, "engine", None)) if e is not None]
-    model_t0 = sum(e.model_time for e in engines)
-    stats.time_total = stats.time_prefill
-    yield [first]
-    if first in eos or cfg.max_new_tokens <= 1:
+    tokens = prefill(target, drafter, prompt, params, rng, stats, t_start)
+    clock = StepClock(target, drafter, t_start)
+    yield [tokens[-1]]
+    if tokens[-1] in eos or cfg.max_new_tokens <= 1:
         return
 
-    generated = 1
-    while generated < cfg.max_new_tokens:
+    while (generated := stats.new_tokens) < cfg.max_new_tokens:
         p = target.length  # == len(tokens) - 1
         room = target.max_len - p - 1  # positions left for draft tokens in this verify call
         if room < 0:
@@ -106,13 +131,7 @@ def run_chain(target: OrtEngine, drafter: Drafter | None, prompt: list[int], cfg
             stats.record(len(drafts), n_acc)
         stats.draft_lengths.append(len(drafts))
         new = clip_new_tokens(drafts[:n_acc] + [nxt], cfg.max_new_tokens - generated, eos)
-        tokens.extend(new)
-        generated += len(new)
-        if drafter is not None:
-            drafter.sync(tokens)
-        stats.new_tokens = generated
-        stats.time_total = time.perf_counter() - t_start
-        stats.time_in_models = sum(e.model_time for e in engines) - model_t0
+        clock.commit(stats, tokens, new, drafter)
         yield new
         if new[-1] in eos:
             return

@@ -25,9 +25,9 @@ from typing import Iterator
 import numpy as np
 
 from specdec_rt.runtime.drafters import ModelDrafter
-from specdec_rt.runtime.engine import OrtEngine, causal_mask, tree_mask
+from specdec_rt.runtime.engine import OrtEngine, tree_mask
 from specdec_rt.runtime.sampling import SamplingParams, probabilities, sample
-from specdec_rt.runtime.speculative import LoopConfig, _pick, clip_new_tokens
+from specdec_rt.runtime.speculative import LoopConfig, StepClock, clip_new_tokens, prefill
 from specdec_rt.runtime.stats import GenerationStats
 
 
@@ -240,27 +240,15 @@ def run_tree(target: OrtEngine, drafter: ModelDrafter, prompt: list[int], cfg: L
     """Like :func:`run_chain`, verifying a token tree per target call."""
     shape = shape or TreeShape()
     t_start = time.perf_counter()
-    target.reset()
-    tokens = list(prompt)
     eos = set() if cfg.ignore_eos else set(cfg.eos_token_ids)
     params = cfg.params
-    positions = np.arange(len(tokens), dtype=np.int64)
-    logits = target.forward(np.asarray(tokens, dtype=np.int64), positions,
-                            causal_mask(0, positions, target.info.sliding_window))
-    first = _pick(logits[-1], params, rng)
-    target.commit(len(tokens))
-    tokens.append(first)
-    drafter.start(prompt)
+    tokens = prefill(target, drafter, prompt, params, rng, stats, t_start)
     tree_drafter = TreeDrafter(drafter, shape)
-    stats.time_prefill = stats.time_total = time.perf_counter() - t_start
-    stats.new_tokens = 1
-    engines = [e for e in (target, getattr(drafter, "engine", None)) if e is not None]
-    model_t0 = sum(e.model_time for e in engines)
-    yield [first]
-    if first in eos or cfg.max_new_tokens <= 1:
+    clock = StepClock(target, drafter, t_start)
+    yield [tokens[-1]]
+    if tokens[-1] in eos or cfg.max_new_tokens <= 1:
         return
-    generated = 1
-    while generated < cfg.max_new_tokens:
+    while (generated := stats.new_tokens) < cfg.max_new_tokens:
         p0 = target.length
         if p0 + 1 >= target.max_len:
             return
@@ -290,12 +278,7 @@ def run_tree(target: OrtEngine, drafter: ModelDrafter, prompt: list[int], cfg: L
         stats.record(int(depth.max()), n_acc)
         stats.draft_lengths.append(len(tree) - 1)
         new = clip_new_tokens([tree[i].token for i in path[1:]] + [nxt], cfg.max_new_tokens - generated, eos)
-        tokens.extend(new)
-        generated += len(new)
-        drafter.sync(tokens)
-        stats.new_tokens = generated
-        stats.time_total = time.perf_counter() - t_start
-        stats.time_in_models = sum(e.model_time for e in engines) - model_t0
+        clock.commit(stats, tokens, new, drafter)
         yield new
         if new[-1] in eos:
             return

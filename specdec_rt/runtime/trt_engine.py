@@ -28,6 +28,7 @@ import numpy as np
 
 from specdec_rt.runtime.bundle import MANIFEST, BundleError, ModelInfo
 from specdec_rt.runtime.engine import ContextOverflowError, EngineBase
+from specdec_rt.runtime.kv_cache import set_layout
 from specdec_rt.runtime.providers import BackendUnavailableError
 
 ALIGN = 256  # TensorRT's required I/O tensor address alignment
@@ -137,12 +138,7 @@ class TrtKVCache:
     def __init__(self, cuda: Cuda, num_layers: int, max_len: int, num_kv_heads: int, head_dim: int,
                  dtype: np.dtype) -> None:
         self.cuda = cuda
-        self.num_layers = num_layers
-        self.max_len = max_len
-        self.heads = num_kv_heads
-        self.head_dim = head_dim
-        self.dtype = np.dtype(dtype)
-        self.token_bytes = num_kv_heads * head_dim * self.dtype.itemsize
+        set_layout(self, num_layers, max_len, num_kv_heads, head_dim, dtype)
         size = max_len * self.token_bytes
         self._key_ptrs = [cuda.malloc(size) for _ in range(num_layers)]
         self._value_ptrs = [cuda.malloc(size) for _ in range(num_layers)]
