@@ -167,7 +167,6 @@ class OrtEngine(EngineBase):
         cache_cls = KVCache if self.device == "cpu" else CudaKVCache
         self.cache = cache_cls(info.num_layers, max_len, info.num_kv_heads, info.head_dim, kv_dtype)
         self.vocab_size = info.vocab_size
-        self.max_step = max_len
         self._logits = np.zeros((1, max_len, info.vocab_size), dtype=np.float32)
         self._logits_ptr = self._logits.ctypes.data
         self._kv_elem = ort_element_type(kv_dtype)

@@ -90,9 +90,6 @@ class AdaptivePolicy:
         if not self.accept:
             self.accept = [self.prior] * self.k_max
 
-    def expected_tokens(self, k: int) -> float:
-        return 1.0 + float(np.sum(np.cumprod(self.accept[:k]))) if k else 1.0
-
     def step_time(self, k: int) -> float:
         return k * self.cost.draft_step + self.cost.target(k + 1)
 
