@@ -35,6 +35,9 @@ class GraphOptions:
     dtype: str = "fp32"  # "fp32" | "fp16"
     opset: int = 17
     fused: bool = True
+    # "fp64": softmax and probs @ V accumulate in float64 (see GraphBuilder._attention);
+    # "native": in the graph dtype (TensorRT has no float64)
+    attention_accumulation: str = "fp64"
 
 
 class _Graph:
@@ -216,9 +219,20 @@ class GraphBuilder:
         kt = g.op("Transpose", [k_all], hint + "_kt", perm=[0, 2, 3, 1])  # [B,Hkv,D,T]
         vt = g.op("Transpose", [v_all], hint + "_vt", perm=[0, 2, 1, 3])  # [B,Hkv,T,D]
         scores = g.op("MatMul", [q4, kt], hint + "_scores")
+        if self.opt.attention_accumulation == "fp64":
+            # Sums over the key axis in float64, rounded once to the graph dtype: a tree node's
+            # visible keys sit at other columns than in sequential decoding (holes of masked
+            # siblings), and ONNX Runtime's float32 Softmax / MatMul reductions group terms by
+            # column, so float32 tree rows differ from sequential rows in the last bits
+            # (weight-only int4 with int8 activations amplifies that into flipped argmaxes).
+            # In float64 the grouping changes the result below float32 resolution.
+            scores = g.op("Cast", [scores], hint + "_scores64", to=TensorProto.DOUBLE)
+            vt = g.op("Cast", [vt], hint + "_v64", to=TensorProto.DOUBLE)
         scores = g.op("Add", [scores, mask], hint + "_masked")
         probs = g.op("Softmax", [scores], hint + "_probs", axis=-1)
         ctx = g.op("MatMul", [probs, vt], hint + "_ctx")  # [B,Hkv,G*S,D]
+        if self.opt.attention_accumulation == "fp64":
+            ctx = g.op("Cast", [ctx], hint + "_ctx32", to=g.onnx_dtype)
         if grp == 1:
             ctx = g.op("Transpose", [ctx], hint + "_ctxt", perm=[0, 2, 1, 3])
         else:
@@ -252,7 +266,9 @@ class GraphBuilder:
         else:
             self._rope_setup()
         mask = "attention_mask"
-        if g.np_dtype != np.float32:
+        if self.opt.attention_accumulation == "fp64":
+            mask = g.op("Cast", [mask], "mask_cast", to=TensorProto.DOUBLE)
+        elif g.np_dtype != np.float32:
             mask = g.op("Cast", [mask], "mask_cast", to=g.onnx_dtype)
         if grp > 1:  # rows ordered (group, seq): tile the [S, T] mask once per group
             mask = g.op("Tile", [mask, g.shape([1, 1, grp, 1], "tile")], "mask_tiled")

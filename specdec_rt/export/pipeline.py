@@ -209,7 +209,8 @@ def export_model(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, role
     stages.done()
 
     stages.start(f"build {role}")
-    graph_opts = GraphOptions(dtype=options.dtype, opset=options.opset, fused=not options.portable)
+    graph_opts = GraphOptions(dtype=options.dtype, opset=options.opset, fused=not options.portable,
+                              attention_accumulation="native" if options.portable else "fp64")
     proto = build_model(spec, weights, graph_opts)
     num_params = int(sum(np.prod(t.dims) for t in proto.graph.initializer))
     path = out / "model.onnx"
@@ -260,6 +261,7 @@ def export_model(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, role
         "quantization": quant,
         "opset": options.opset,
         "fused_ops": not options.portable,
+        "attention_accumulation": graph_opts.attention_accumulation,
         "num_parameters": num_params,
         "num_nodes": len(proto.graph.node),
         "size_bytes": size,

@@ -165,9 +165,11 @@ class OrtEngine(EngineBase):
         self.device = device_of(resolve_provider(provider))
         kv_dtype = np.dtype(info.kv_dtype)
         cache_cls = KVCache if self.device == "cpu" else CudaKVCache
-        self.cache = cache_cls(info.num_layers, max_len, info.num_kv_heads, info.head_dim, kv_dtype)
+        # one spare slot: a single-token call padded to two rows (see ``min_rows``) writes the
+        # pad row's K/V there when the cache is full
+        self.cache = cache_cls(info.num_layers, max_len + 1, info.num_kv_heads, info.head_dim, kv_dtype)
         self.vocab_size = info.vocab_size
-        self._logits = np.zeros((1, max_len, info.vocab_size), dtype=np.float32)
+        self._logits = np.zeros((1, max_len + 1, info.vocab_size), dtype=np.float32)
         self._logits_ptr = self._logits.ctypes.data
         self._kv_elem = ort_element_type(kv_dtype)
         self._kv_shape_tail = [info.num_kv_heads, info.head_dim]
@@ -191,6 +193,8 @@ class OrtEngine(EngineBase):
         self.length = 0
         self.calls = 0
         self.model_time = 0.0  # seconds inside ONNX Runtime: the loop's overhead is the rest
+        # Calls with fewer rows are padded to this many (see :func:`probe_row_invariance`).
+        self.min_rows = 1
 
     # -- forward ----------------------------------------------------------------------------
     def forward(self, input_ids: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -203,6 +207,11 @@ class OrtEngine(EngineBase):
         if p + s > self.max_len:
             raise ContextOverflowError(
                 f"{p + s} positions exceed the context of {self.max_len} tokens")
+        if s < self.min_rows:
+            return self._forward_padded(input_ids, positions, mask)
+        return self._dispatch(input_ids, positions, mask, s, p)
+
+    def _dispatch(self, input_ids, positions, mask, s: int, p: int) -> np.ndarray:
         if not self.io_binding:
             return self._forward_run(input_ids, positions, mask, s, p)
         b = self._binding
@@ -227,6 +236,26 @@ class OrtEngine(EngineBase):
         self.calls += 1
         return self._logits[0, :s]
 
+    def _forward_padded(self, input_ids: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """:meth:`forward` with the call padded to ``min_rows`` rows by repeating its last row.
+
+        The pad rows see what the last row sees (never themselves), so they are finite and
+        change nothing: every kernel here computes a row independently of the others; only which
+        kernel runs depends on the row count. Their K/V land after the real rows, uncommitted.
+        """
+        ids = np.asarray(input_ids, dtype=np.int64).reshape(-1)
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+        s, p, m = len(ids), self.length, self.min_rows
+        if p + m > self.max_len + 1:
+            raise ContextOverflowError(f"{p + m} positions exceed the context of {self.max_len} tokens")
+        mask = np.asarray(mask, dtype=np.float32).reshape(s, p + s)
+        padded = np.full((m, p + m), NEG_INF, dtype=np.float32)
+        padded[:s, :p + s] = mask
+        padded[s:, :p + s] = mask[-1]
+        ids = np.concatenate([ids, np.repeat(ids[-1:], m - s)])
+        pos = np.concatenate([pos, np.repeat(pos[-1:], m - s)])
+        return self._dispatch(ids, pos, padded, m, p)[:s]
+
     def step(self, token: int) -> np.ndarray:
         """One token at the next position (the draft's hot path); returns its logits row.
 
@@ -236,7 +265,7 @@ class OrtEngine(EngineBase):
         """
         p = self.length
         window = self.info.sliding_window
-        if self.io_binding or (window and p >= window) or p + 1 > self.max_len:
+        if self.io_binding or self.min_rows > 1 or (window and p >= window) or p + 1 > self.max_len:
             return super().step(token)
         self._ids1[0, 0] = token
         self._pos1[0, 0] = p
@@ -318,3 +347,60 @@ def make_engine(graph_path: str | os.PathLike, info: ModelInfo, max_len: int, pr
 
         return TrtEngine(graph_path, info, max_len, bundle_root=bundle_root)
     return OrtEngine(graph_path, info, max_len, provider, threads, bundle_root, io_binding, shared_pool)
+
+
+class RowInvarianceWarning(RuntimeWarning):
+    """The target's logits for a token depend on how many rows its call had."""
+
+
+def probe_row_invariance(engine: OrtEngine, widths: tuple[int, ...] = (2, 3, 5, 8, 16, 33),
+                         seed: int = 0) -> int:
+    """Measure from how many rows on a call's row results stop depending on the row count, and
+    pad smaller calls to that (``engine.min_rows``). Returns the row count chosen.
+
+    Greedy speculation is token-for-token target-only decoding only if the target computes a
+    token's logits bit for bit the same alone (S = 1) as inside a verify call (S > 1). Kernels
+    are free to pick another code path per row count: ONNX Runtime's MatMulNBits (int4 weights)
+    runs a separate kernel for a single row whose results differ in the last bits from the
+    multi-row kernel (measured on x86 AVX2), and int8 activation quantization turns such bits
+    into flipped argmaxes. Which kernels differ depends on the CPU/GPU, so it is measured here,
+    on the machine that runs the model, not assumed at export.
+    """
+    rng = np.random.default_rng(seed)
+    prefix = 3
+    usable = [w for w in widths if prefix + w <= engine.max_len]
+    if not usable:
+        return engine.min_rows
+    tokens = rng.integers(0, engine.vocab_size, prefix + max(usable))
+    sliding = engine.info.sliding_window
+    saved = engine.min_rows
+    engine.min_rows = 1
+    try:
+        engine.reset()
+        pos = np.arange(prefix, dtype=np.int64)
+        engine.forward(tokens[:prefix], pos, causal_mask(0, pos, sliding))
+        engine.commit(prefix)
+        rows = {}
+        for s in (1, *usable):
+            pos = np.arange(prefix, prefix + s, dtype=np.int64)
+            rows[s] = engine.forward(tokens[prefix:prefix + s], pos, causal_mask(prefix, pos, sliding))[0].copy()
+    finally:
+        engine.reset()
+        engine.min_rows = saved
+    multi = [rows[s] for s in usable]
+    multi_agree = all(np.array_equal(multi[0], r) for r in multi[1:])
+    if multi_agree and np.array_equal(rows[1], multi[0]):
+        chosen = 1
+    elif multi_agree:
+        chosen = 2
+    else:
+        import warnings
+
+        warnings.warn(
+            f"the {engine.info.role} graph's logits for a token change with the number of rows in "
+            f"the call (widths {usable} disagree) on the {engine.provider} provider: greedy "
+            "speculation may differ from target-only decoding on near-ties", RowInvarianceWarning,
+            stacklevel=2)
+        chosen = 1
+    engine.min_rows = chosen
+    return chosen

@@ -9,7 +9,7 @@ import numpy as np
 
 from specdec_rt.runtime.bundle import Bundle, BundleError, load_bundle
 from specdec_rt.runtime.drafters import Drafter, ModelDrafter, PromptLookupDrafter
-from specdec_rt.runtime.engine import ContextOverflowError, make_engine
+from specdec_rt.runtime.engine import ContextOverflowError, make_engine, probe_row_invariance
 from specdec_rt.runtime.sampling import SamplingParams, SamplingParamsError
 from specdec_rt.runtime.speculative import LoopConfig, run_chain
 from specdec_rt.runtime.stats import GenerationStats
@@ -41,7 +41,7 @@ class Generator:
     def __init__(self, bundle: Bundle, provider: str = "cpu", draft_provider: str | None = None,
                  threads: int | None = None, max_length: int | None = None,
                  io_binding: bool | None = None, draft_threads: int | None = 1,
-                 shared_thread_pool: bool = False) -> None:
+                 shared_thread_pool: bool = False, probe_rows: bool = True) -> None:
         self.bundle = bundle
         self.max_length = min(max_length or bundle.max_context, bundle.max_context)
         if self.max_length < 2:
@@ -56,6 +56,8 @@ class Generator:
                                           bundle.root, io_binding, shared_thread_pool)
         self.vocab_size = bundle.target.vocab_size
         self.eos_token_ids = tuple(bundle.eos_token_ids)
+        if probe_rows and hasattr(self.target, "min_rows"):
+            probe_row_invariance(self.target)  # exactness: pads 1-row calls where kernels differ
 
     # -- argument checks ----------------------------------------------------------------------
     def _prompt_ids(self, prompt: str | Sequence[int] | np.ndarray) -> list[int]:
@@ -229,7 +231,8 @@ class Generator:
 def load(bundle: str | os.PathLike, provider: str = "cpu", draft_provider: str | None = None,
          threads: int | None = None, max_length: int | None = None,
          verify_checksums: bool = True, io_binding: bool | None = None,
-         draft_threads: int | None = 1, shared_thread_pool: bool = False) -> Generator:
+         draft_threads: int | None = 1, shared_thread_pool: bool = False,
+         probe_rows: bool = True) -> Generator:
     """Load a bundle. ``provider``: "cpu" | "cuda" | "tensorrt"; the draft may use another one.
 
     ``io_binding``: bind the KV buffers by pointer (default on GPUs; on CPU the default feeds
@@ -240,11 +243,15 @@ def load(bundle: str | os.PathLike, provider: str = "cpu", draft_provider: str |
     ONNX Runtime's process-wide thread pool (measured ~1.5x faster per draft+verify cycle on 2
     cores, docs/design.md); ONNX Runtime then refuses sessions with their own pool in this
     process, so it is opt-in here and on in the command-line tools and the server.
+    ``probe_rows``: measure at load whether the target computes a token's logits bit for bit
+    alike in a one-row call and in a verify call, and pad one-row calls to two rows where it
+    does not (int4 MatMulNBits on CPU): what keeps greedy speculation token-identical to
+    target-only decoding (:func:`specdec_rt.runtime.engine.probe_row_invariance`).
     """
     b = load_bundle(bundle, verify_checksums=verify_checksums)
     return Generator(b, provider=provider, draft_provider=draft_provider, threads=threads,
                      max_length=max_length, io_binding=io_binding, draft_threads=draft_threads,
-                     shared_thread_pool=shared_thread_pool)
+                     shared_thread_pool=shared_thread_pool, probe_rows=probe_rows)
 
 
 __all__ = ["load", "Generator", "GenerationResult", "GenerationStats", "BundleError"]
