@@ -33,8 +33,12 @@ def make_tokenizer(vocab_size: int, out_dir: Path) -> None:
         "bos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}))
 
 
-def make_checkpoint(config, out_dir: Path, seed: int = 0) -> Path:
-    """Save a random-weight model for ``config`` plus a matching tokenizer."""
+def make_checkpoint(config, out_dir: Path, seed: int = 0, tokenizer_vocab: int | None = None) -> Path:
+    """Save a random-weight model for ``config`` plus a matching tokenizer.
+
+    ``tokenizer_vocab``: a tokenizer smaller than the model's vocabulary (padded embedding tables,
+    as in Phi-3's 32064 rows for 32011 tokens).
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -45,7 +49,7 @@ def make_checkpoint(config, out_dir: Path, seed: int = 0) -> Path:
             if p.dim() >= 2:
                 p.normal_(0, 0.08)
     model.eval().save_pretrained(str(out_dir))
-    make_tokenizer(config.vocab_size, out_dir)
+    make_tokenizer(tokenizer_vocab or config.vocab_size, out_dir)
     return out_dir
 
 

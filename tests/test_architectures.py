@@ -1,7 +1,7 @@
 """Every supported family exports, validates against PyTorch and decodes greedily exactly.
 
 For each family a tiny random-weight checkpoint (2 layers, hidden 64, vocab 320) is built from its
-transformers config, exported with the fused op set (target + the same checkpoint as draft) and,
+transformers config with the switches of a released model (named at each config), exported with the fused op set (target + the same checkpoint as draft) and,
 for most families, with the portable op set. The exporter validates every graph against PyTorch
 (prefill, chain verify, decode, tree); the tests then check that greedy decoding through the
 runtime reproduces ``transformers``' own ``generate`` token for token, and that a draft identical
@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from helpers import make_checkpoint, make_tokenizer  # noqa: E402
 
 VOCAB = 320
+BIG_VOCAB = 1024  # phi4_mini's model vocabulary; its tokenizer keeps VOCAB tokens
 NEW_TOKENS = 24
 MAX_ERROR = 1e-3
 PROMPTS = [[5, 17, 42, 99, 3], [200, 201, 202, 7, 7, 7, 9, 310], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
@@ -50,6 +51,44 @@ def _config(name: str):
         return tf.Phi3Config(num_key_value_heads=2, original_max_position_embeddings=64,
                              rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
                                            "long_factor": [2.0 + i for i in range(8)]}, **LLAMA_LIKE)
+    if name == "phi3_5_mini":  # Phi-3.5-mini: MHA, longrope short/long factors, untied, sliding window
+        # far beyond the context (262144)
+        return tf.Phi3Config(num_key_value_heads=4, original_max_position_embeddings=64, sliding_window=262144,
+                             rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(8)],
+                                           "long_factor": [1.5 + i for i in range(8)]}, **LLAMA_LIKE)
+    if name == "phi4_mini":  # Phi-4-mini: GQA, 3/4 of each head rotated, longrope over the rotated part,
+        # tied embeddings, a model vocabulary (1024) padded beyond the tokenizer's 320 tokens
+        return tf.Phi3Config(num_key_value_heads=2, partial_rotary_factor=0.75, tie_word_embeddings=True,
+                             original_max_position_embeddings=64, sliding_window=262144,
+                             rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                                           "long_factor": [2.0 + i for i in range(6)]},
+                             **{**LLAMA_LIKE, "vocab_size": BIG_VOCAB})
+    if name == "gemma2":  # Gemma-2-2b-it's switches: sandwich norms, GQA, head_dim 32 != 64 / 4, query scale
+        # from query_pre_attn_scalar (24 != head_dim, as in the 27b), sliding/full alternation with a tiny
+        # window (8), tied embeddings. Soft caps lowered from 50 / 30 so that they bite on tiny weights.
+        return tf.Gemma2Config(num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
+                               attn_logit_softcapping=1.5, final_logit_softcapping=3.0, **LLAMA_LIKE)
+    if name == "gemma3_text":  # Gemma-3-1b/4b-it: per-head q/k norm, MQA, sliding then full layer, local
+        # rope base 1e4 on the sliding layer, global base 1e6 with linear scaling (x8) on the full layer
+        return tf.Gemma3TextConfig(num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
+                                   layer_types=["sliding_attention", "full_attention"],
+                                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                       "rope_theta": 1e6},
+                                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+                                   **LLAMA_LIKE)
+    if name == "granite":  # granite-3.0-2b-instruct's multipliers, tied embeddings
+        return tf.GraniteConfig(num_key_value_heads=2, embedding_multiplier=12.0, attention_multiplier=0.015625,
+                                residual_multiplier=0.22, logits_scaling=8.0, tie_word_embeddings=True,
+                                **LLAMA_LIKE)
+    if name == "smollm3":  # SmolLM3-3B: NoPE every no_rope_layer_interval-th layer (here the second), tied
+        return tf.SmolLM3Config(num_key_value_heads=2, no_rope_layer_interval=2, tie_word_embeddings=True,
+                                **LLAMA_LIKE)
+    if name == "olmo2":  # OLMo-2: post-branch norms only, q/k RMSNorm over the whole projection (GQA as in 32B)
+        return tf.Olmo2Config(num_key_value_heads=2, rms_norm_eps=1e-6, **LLAMA_LIKE)
+    if name == "starcoder2":  # starcoder2-3b: LayerNorm + biases everywhere, plain gelu_tanh MLP, GQA, a sliding
+        # window (8 here, 4096 there) on every layer, tied embeddings
+        return tf.Starcoder2Config(num_key_value_heads=2, sliding_window=8, use_bias=True,
+                                   hidden_act="gelu_pytorch_tanh", **LLAMA_LIKE)
     if name == "gpt2":  # learned positions, Conv1D, LayerNorm with bias
         return tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=256, **COMMON)
     if name in ("gpt_neox", "gpt_neox_sequential"):  # per-head fused qkv, a quarter of each head rotated
@@ -59,9 +98,13 @@ def _config(name: str):
     raise KeyError(name)
 
 
+NEW_FAMILIES = ["gemma2", "gemma3_text", "granite", "phi3_5_mini", "phi4_mini", "smollm3", "olmo2", "starcoder2"]
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "phi3_longrope", "gpt2", "gpt_neox",
-            "gpt_neox_sequential"]
-PORTABLE = ["llama", "qwen3", "gemma", "phi3", "gpt2", "gpt_neox"]
+            "gpt_neox_sequential"] + NEW_FAMILIES
+PORTABLE = ["llama", "qwen3", "gemma", "phi3", "gpt2", "gpt_neox", "gemma2", "gemma3_text", "granite", "phi4_mini",
+            "smollm3", "olmo2", "starcoder2"]
+LONGROPE = ("phi3_longrope", "phi3_5_mini", "phi4_mini")  # capped at original_max_position_embeddings (64)
+GRAPH_WINDOWS = ("gemma2", "gemma3_text")  # sliding and full layers: the graph applies the window
 
 
 class _Store:
@@ -77,7 +120,8 @@ class _Store:
         return self._cache[key]
 
     def checkpoint(self, name: str) -> Path:
-        return self._once(("ckpt", name), lambda: make_checkpoint(_config(name), self.root / f"ckpt_{name}"))
+        return self._once(("ckpt", name), lambda: make_checkpoint(_config(name), self.root / f"ckpt_{name}",
+                                                                   tokenizer_vocab=VOCAB))
 
     def manifest(self, name: str, portable: bool = False) -> tuple[Path, dict]:
         """Fused: target and draft (the same checkpoint); portable: target only."""
@@ -87,7 +131,7 @@ class _Store:
             ckpt = self.checkpoint(name)
             out = self.root / f"bundle_{name}_{'portable' if portable else 'fused'}"
             opts = ExportOptions(progress=False, portable=portable)
-            if name == "phi3_longrope":
+            if name in LONGROPE:
                 with pytest.warns(UserWarning, match="longrope: max context capped from 256 to 64"):
                     manifest = export_pair(ckpt, None if portable else ckpt, out, opts)
             else:
@@ -145,7 +189,7 @@ def test_fused_export_validates(store, name):
     for role in ("target", "draft"):
         info = manifest["models"][role]
         assert info["family"] == cfg.model_type
-        assert info["num_layers"] == 2 and info["vocab_size"] == VOCAB
+        assert info["num_layers"] == 2 and info["vocab_size"] == cfg.vocab_size
         assert info["fused_ops"] is True
         _check_validation(info)
 
@@ -164,12 +208,46 @@ def test_portable_export_validates(store, name):
     assert fused_nodes < info["num_nodes"]
 
 
-def test_longrope_context_is_capped_at_the_switch(store):
+@pytest.mark.parametrize("name", LONGROPE)
+def test_longrope_context_is_capped_at_the_switch(store, name):
     """Beyond original_max_position_embeddings transformers swaps rope factors and recomputes the
     cache; the bundle stops at the switch, where the short-factor table is exact."""
-    _, manifest = store.manifest("phi3_longrope")
+    _, manifest = store.manifest(name)
     assert manifest["max_context"] == 64
     assert manifest["models"]["target"]["max_positions"] == 64
+
+
+@pytest.mark.parametrize("name", GRAPH_WINDOWS)
+def test_per_layer_windows_are_in_the_graph(store, name):
+    """Sliding and full layers: the runtime gets no window (it would apply it to every layer), the
+    graph applies it to the sliding layers, and validation ran a past longer than the window."""
+    _, manifest = store.manifest(name)
+    info = manifest["models"]["target"]
+    assert info["sliding_window"] is None
+    assert info["graph_windows"] == [8, None]
+    cases = info["validation"]["cases"]
+    assert {"prefill_P0_past_window", "verify_S4_past_window", "decode_S1_past_window", "tree_past_window"} <= set(cases)
+    assert max(cases.values()) < MAX_ERROR
+
+
+def test_shared_window_stays_in_the_runtime(store):
+    """StarCoder2's window covers every layer: the runtime's masks apply it, as for Mistral."""
+    info = store.manifest("starcoder2")[1]["models"]["target"]
+    assert info["sliding_window"] == 8 and info["graph_windows"] is None
+    assert "tree_past_window" in info["validation"]["cases"]
+
+
+@pytest.mark.parametrize("name", GRAPH_WINDOWS + ("starcoder2",))
+def test_context_past_the_window_matches_transformers(store, name):
+    """A 26-token prompt and 24 new tokens with an 8-token window: target-only, chain and tree
+    decoding all equal transformers' generate."""
+    gen = store.generator(name)
+    prompt = [(7 * i + 3) % VOCAB for i in range(26)]
+    ref = store.reference(name, prompt)
+    assert gen.generate_ids(prompt, max_new_tokens=NEW_TOKENS, drafter=None, ignore_eos=True) == ref
+    assert gen.generate_ids(prompt, max_new_tokens=NEW_TOKENS, num_draft_tokens=3, ignore_eos=True) == ref
+    assert gen.generate_ids(prompt, max_new_tokens=NEW_TOKENS, speculation="tree", num_draft_tokens=6,
+                            ignore_eos=True) == ref
 
 
 # -- greedy exactness end to end ----------------------------------------------------------------
@@ -230,6 +308,36 @@ def test_unsupported_loaded_model(tmp_path):
     ckpt = make_checkpoint(cfg, tmp_path / "opt")
     with pytest.raises(UnsupportedArchitectureError, match="'opt' is not supported; supported: llama"):
         export_pair(ckpt, None, tmp_path / "out", ExportOptions(progress=False))
+
+
+def _tiny(name: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(_config(name)).eval()
+
+
+@pytest.mark.parametrize("name, overrides, field", [
+    # transformers' Gemma 3 attention never applies it: there is no reference to be exact against
+    ("gemma3_text", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    # sliding layers without use_sliding_window: eager masks slide, flash attention does not
+    ("smollm3", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8}, "use_sliding_window"),
+    ("llama", {"rope_parameters": {"rope_type": "proportional", "rope_theta": 10000.0}}, "rope_parameters.rope_type"),
+    ("gemma3_text", {"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types"),
+])
+def test_unimplemented_switch_is_refused(name, overrides, field):
+    """A config switch without an implementation: one line naming the field, never a silent graph."""
+    from specdec_rt.export.arch import UnsupportedArchitectureError, extract
+
+    model = _tiny(name)
+    for key, value in overrides.items():  # set after construction: transformers would reject some
+        setattr(model.config, key, value)
+    with pytest.raises(UnsupportedArchitectureError) as err:
+        extract(model, 256)
+    msg = str(err.value)
+    assert field in msg and "\n" not in msg, msg
 
 
 def test_missing_folder(tmp_path):

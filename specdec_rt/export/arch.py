@@ -11,18 +11,25 @@ from typing import Callable
 
 import numpy as np
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "gpt_neox")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite",
+                      "phi3", "smollm3", "olmo2", "starcoder2", "gpt2", "gpt_neox")
+
+# rope types whose cos/sin depend on the position only (a static table is exact): the rotary
+# module computes them. "longrope" is capped at its switch point, "dynamic" only rescales beyond
+# max_position_embeddings, which caps the exported context.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 class UnsupportedArchitectureError(ValueError):
-    """The checkpoint's ``model_type`` has no extractor."""
+    """The checkpoint's ``model_type`` has no extractor, or it uses a switch the exporter lacks."""
 
 
 @dataclass
 class LayerWeights:
     """Weights of one decoder layer in MatMul layout (``x @ w``)."""
 
-    ln1_w: np.ndarray
+    ln1_w: np.ndarray | None  # None: no norm before attention (OLMo 2)
     ln1_b: np.ndarray | None
     q_w: np.ndarray
     k_w: np.ndarray
@@ -32,7 +39,7 @@ class LayerWeights:
     v_b: np.ndarray | None
     o_w: np.ndarray
     o_b: np.ndarray | None
-    ln2_w: np.ndarray
+    ln2_w: np.ndarray | None  # None: no norm before the MLP (OLMo 2)
     ln2_b: np.ndarray | None
     # gated MLP: up_w and gate_w; plain MLP: up_w only (fc_in)
     up_w: np.ndarray
@@ -41,8 +48,11 @@ class LayerWeights:
     down_b: np.ndarray | None
     gate_w: np.ndarray | None = None
     gate_b: np.ndarray | None = None
-    q_norm_w: np.ndarray | None = None
+    q_norm_w: np.ndarray | None = None  # [head_dim] per head, or [heads * head_dim] (ArchSpec.qk_norm)
     k_norm_w: np.ndarray | None = None
+    # norms of a branch's output before it joins the residual (Gemma 2/3 sandwich, OLMo 2)
+    post_attn_norm_w: np.ndarray | None = None
+    post_mlp_norm_w: np.ndarray | None = None
 
 
 @dataclass
@@ -68,6 +78,19 @@ class ArchSpec:
     max_positions: int = 2048
     sliding_window: int | None = None
     tie_word_embeddings: bool = False
+    qk_norm: str = "head"  # "head": q/k norm per head over head_dim (Qwen3, Gemma 3); "full": over
+    #                        the whole projection before the head split (OLMo 2)
+    attn_softcap: float | None = None  # scores = tanh(scores / c) * c before the mask (Gemma 2)
+    final_softcap: float | None = None  # logits = tanh(logits / c) * c (Gemma 2/3)
+    residual_multiplier: float | None = None  # branch outputs scaled before the residual add (Granite)
+    logit_multiplier: float | None = None  # logits scaled (Granite: 1 / logits_scaling)
+    # Per-layer sliding windows applied *inside the graph* (layers that differ: Gemma 2/3). None:
+    # no per-layer windows; a window shared by every layer is ``sliding_window``, which the runtime's
+    # masks apply. The two are never both set.
+    layer_windows: list[int | None] | None = None
+    # Per-layer rotary table: "default" (ModelWeights.rope_cos/sin), a key of ModelWeights.extra_rope,
+    # or None for a layer without rotary (SmolLM3's NoPE layers). None: every layer uses "default".
+    layer_rope: list[str | None] | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -84,6 +107,7 @@ class ModelWeights:
     positions: np.ndarray | None = None  # learned position table [max, hidden]
     rope_cos: np.ndarray | None = None  # [max, rotary_dim/2]
     rope_sin: np.ndarray | None = None
+    extra_rope: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # name -> (cos, sin)
 
 
 def _np(t) -> np.ndarray | None:
@@ -97,13 +121,18 @@ def _lin(linear) -> tuple[np.ndarray, np.ndarray | None]:
     return _np(linear.weight).T.copy(), _np(getattr(linear, "bias", None))
 
 
-def _rope_tables(model, rotary_dim: int, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin tables from the model's own rotary module, so every rope scaling type is honoured."""
+def _rope_tables(model, rotary_dim: int, max_positions: int,
+                 layer_type: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin tables from the model's own rotary module, so every rope scaling type is honoured.
+
+    ``layer_type``: the table of one layer type, for rotary modules that keep one per type
+    (Gemma 3: a local base for sliding layers, the global base and scaling for full layers).
+    """
     import torch
 
     rotary = None
     for name, module in model.named_modules():
-        if name.endswith("rotary_emb") and hasattr(module, "inv_freq"):
+        if name.endswith("rotary_emb") and (layer_type is not None or hasattr(module, "inv_freq")):
             rotary = module
             break
     if rotary is None:
@@ -111,7 +140,7 @@ def _rope_tables(model, rotary_dim: int, max_positions: int) -> tuple[np.ndarray
     positions = torch.arange(max_positions, dtype=torch.int64)[None, :]
     dummy = torch.zeros(1, dtype=torch.float32)
     with torch.no_grad():
-        cos, sin = rotary(dummy, positions)
+        cos, sin = rotary(dummy, positions) if layer_type is None else rotary(dummy, positions, layer_type)
     cos = cos[0].float().numpy()
     sin = sin[0].float().numpy()
     half = rotary_dim // 2
@@ -120,6 +149,57 @@ def _rope_tables(model, rotary_dim: int, max_positions: int) -> tuple[np.ndarray
             f"rotary table width {cos.shape[-1]} does not match rotary dim {rotary_dim}"
         )
     return cos[:, :half].copy(), sin[:, :half].copy()
+
+
+def _rope_parameter_sets(cfg) -> dict[str | None, dict]:
+    """The rope parameters, per layer type where the config nests them (Gemma 3), else under None."""
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return {None: {}}
+    if params and set(params) <= set(LAYER_TYPES) and all(isinstance(v, dict) or v is None for v in params.values()):
+        return {k: (v or {}) for k, v in params.items()}
+    return {None: params}
+
+
+def _check_rope_types(cfg, family: str) -> None:
+    for layer_type, params in _rope_parameter_sets(cfg).items():
+        rope_type = params.get("rope_type") or params.get("type") or "default"
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            where = "rope_parameters" + (f"['{layer_type}']" if layer_type else "")
+            raise UnsupportedArchitectureError(
+                f"{family}: rope type '{rope_type}' ({where}.rope_type) is not supported; "
+                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+
+
+def _layer_types(cfg, family: str) -> list[str] | None:
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        return None
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        raise UnsupportedArchitectureError(
+            f"{family}: layer_types {unknown} are not supported; supported: {', '.join(LAYER_TYPES)}"
+        )
+    if len(types) != cfg.num_hidden_layers:
+        raise UnsupportedArchitectureError(
+            f"{family}: layer_types has {len(types)} entries for {cfg.num_hidden_layers} layers"
+        )
+    return list(types)
+
+
+def _windows(per_layer: list[int | None], max_positions: int) -> tuple[int | None, list[int | None] | None]:
+    """(window the runtime applies, per-layer windows the graph applies): one of them, or neither.
+
+    A window that every layer shares is the runtime's (as for Mistral); layers that differ get
+    their windows inside the graph. A window no shorter than the context never applies.
+    """
+    per_layer = [w if w is not None and w < max_positions else None for w in per_layer]
+    if all(w is None for w in per_layer):
+        return None, None
+    if len(set(per_layer)) == 1:
+        return per_layer[0], None
+    return None, per_layer
 
 
 def _partial_rotary_factor(cfg) -> float:
@@ -195,13 +275,12 @@ def _longrope_context(cfg, max_positions: int) -> int:
     table and a reusable KV cache can only be exact on one side of that switch: the short side,
     which is what every sequence up to the switch sees.
     """
-    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    if not isinstance(params, dict):
+    sets = [p for p in _rope_parameter_sets(cfg).values() if (p.get("rope_type") or p.get("type")) == "longrope"]
+    if not sets:
         return max_positions
-    rope_type = params.get("rope_type") or params.get("type")
-    if rope_type != "longrope":
-        return max_positions
-    original = params.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings", None)
+    originals = [p.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings", None)
+                 for p in sets]
+    original = min((int(o) for o in originals if o), default=None)
     if original and max_positions > int(original):
         import warnings
 
@@ -216,8 +295,56 @@ def _longrope_context(cfg, max_positions: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Llama-like families (Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3)
+# Llama-like families (Llama, Mistral, Qwen2, Qwen3, Gemma 1/2/3, Granite, Phi-3, SmolLM3, OLMo 2)
 # ---------------------------------------------------------------------------------------------
+
+_GEMMA = ("gemma", "gemma2", "gemma3_text")
+
+
+def _refuse(family: str, field_name: str, value, why: str) -> None:
+    raise UnsupportedArchitectureError(f"{family}: {field_name}={value!r} is not supported ({why})")
+
+
+def _family_switches(cfg, family: str, max_positions: int) -> dict:
+    """Per-family ArchSpec switches beyond the Llama skeleton, refusing what has no implementation."""
+    sw: dict = {}
+    layers = cfg.num_hidden_layers
+    if family in ("gemma2", "gemma3_text"):
+        if getattr(cfg, "use_bidirectional_attention", False):
+            _refuse(family, "use_bidirectional_attention", cfg.use_bidirectional_attention,
+                    "the graph is causal")
+        sw["attention_scale"] = float(cfg.query_pre_attn_scalar) ** -0.5
+        if family == "gemma2":
+            sw["attn_softcap"] = getattr(cfg, "attn_logit_softcapping", None)
+        elif getattr(cfg, "attn_logit_softcapping", None) is not None:
+            # transformers' Gemma 3 attention never passes it to the attention function
+            _refuse(family, "attn_logit_softcapping", cfg.attn_logit_softcapping,
+                    "transformers' Gemma 3 attention ignores it, so no reference output exists")
+        sw["final_softcap"] = getattr(cfg, "final_logit_softcapping", None)
+    if family == "granite":
+        sw["attention_scale"] = float(cfg.attention_multiplier)
+        sw["embedding_scale"] = float(cfg.embedding_multiplier)
+        sw["residual_multiplier"] = float(cfg.residual_multiplier)
+        sw["logit_multiplier"] = 1.0 / float(cfg.logits_scaling)
+    types = _layer_types(cfg, family) if family in ("gemma2", "gemma3_text", "smollm3") else None
+    if types is not None:
+        window = getattr(cfg, "sliding_window", None)
+        if family == "smollm3" and "sliding_attention" in types and not getattr(cfg, "use_sliding_window", False):
+            # the eager/sdpa masks would slide while flash attention would not: no single reference
+            _refuse(family, "use_sliding_window", False, "layer_types has sliding_attention layers")
+        per_layer = [window if t == "sliding_attention" else None for t in types]
+        sw["sliding_window"], sw["layer_windows"] = _windows(per_layer, max_positions)
+    if family == "gemma3_text":
+        sets = _rope_parameter_sets(cfg)
+        sw["layer_rope"] = ["default" if t == "full_attention" else t for t in types]
+        if None in sets:  # pragma: no cover - transformers always nests Gemma 3's parameters
+            _refuse(family, "rope_parameters", "flat", "expected one entry per layer type")
+    if family == "smollm3":
+        flags = list(cfg.no_rope_layers)  # 1: the layer uses rotary, 0: NoPE
+        if len(flags) != layers:
+            _refuse(family, "no_rope_layers", flags, f"expected {layers} entries")
+        sw["layer_rope"] = ["default" if f else None for f in flags]
+    return {k: v for k, v in sw.items() if v is not None}
 
 
 def _llama_like(model, family: str, max_positions: int) -> tuple[ArchSpec, ModelWeights]:
@@ -227,6 +354,7 @@ def _llama_like(model, family: str, max_positions: int) -> tuple[ArchSpec, Model
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     rotary_dim = int(head_dim * _partial_rotary_factor(cfg))
+    _check_rope_types(cfg, family)
     act = getattr(cfg, "hidden_activation", None) or cfg.hidden_act
     if family == "gemma":
         act = "gelu_pytorch_tanh" if act in ("gelu", "gelu_pytorch_tanh") else act
@@ -236,6 +364,11 @@ def _llama_like(model, family: str, max_positions: int) -> tuple[ArchSpec, Model
     sliding = getattr(cfg, "sliding_window", None) if family in ("mistral", "qwen2", "qwen3", "phi3") else None
     if family in ("qwen2", "qwen3") and not getattr(cfg, "use_sliding_window", False):
         sliding = None
+    switches = _family_switches(cfg, family, max_positions)
+    first_attn = inner.layers[0].self_attn
+    qk_norm = "head"
+    if hasattr(first_attn, "q_norm") and first_attn.q_norm.weight.numel() == heads * head_dim != head_dim:
+        qk_norm = "full"
     spec = ArchSpec(
         family=family,
         vocab_size=cfg.vocab_size,
@@ -250,18 +383,21 @@ def _llama_like(model, family: str, max_positions: int) -> tuple[ArchSpec, Model
         gated_mlp=True,
         positions="rope",
         rotary_dim=rotary_dim,
-        embedding_scale=float(cfg.hidden_size) ** 0.5 if family == "gemma" else None,
+        embedding_scale=float(cfg.hidden_size) ** 0.5 if family in _GEMMA else None,
         max_positions=max_positions,
         sliding_window=sliding,
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        qk_norm=qk_norm,
         eos_token_ids=eos,
         bos_token_id=bos,
         pad_token_id=pad,
     )
-    gemma_offset = 1.0 if family == "gemma" else 0.0
+    for key, value in switches.items():
+        setattr(spec, key, value)
+    gemma_offset = 1.0 if family in _GEMMA else 0.0
 
-    def norm_w(module) -> np.ndarray:
-        return _np(module.weight) + gemma_offset
+    def norm_w(module) -> np.ndarray | None:
+        return None if module is None else _np(module.weight) + gemma_offset
 
     layers = []
     for layer in inner.layers:
@@ -283,27 +419,98 @@ def _llama_like(model, family: str, max_positions: int) -> tuple[ArchSpec, Model
             up_w, up_b = _lin(mlp.up_proj)
         o_w, o_b = _lin(attn.o_proj)
         down_w, down_b = _lin(mlp.down_proj)
+        if family in ("gemma2", "gemma3_text"):  # sandwich: pre and post norm around each branch
+            ln1, post_attn = layer.input_layernorm, layer.post_attention_layernorm
+            ln2, post_mlp = layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm
+        elif family == "olmo2":  # post-norm only: h = h + norm(attn(h)); h = h + norm(mlp(h))
+            ln1, post_attn = None, layer.post_attention_layernorm
+            ln2, post_mlp = None, layer.post_feedforward_layernorm
+        else:
+            ln1, post_attn = layer.input_layernorm, None
+            ln2, post_mlp = layer.post_attention_layernorm, None
         layers.append(
             LayerWeights(
-                ln1_w=norm_w(layer.input_layernorm),
+                ln1_w=norm_w(ln1),
                 ln1_b=None,
                 q_w=q_w.copy(), k_w=k_w.copy(), v_w=v_w.copy(),
                 q_b=q_b, k_b=k_b, v_b=v_b,
                 o_w=o_w, o_b=o_b,
-                ln2_w=norm_w(layer.post_attention_layernorm),
+                ln2_w=norm_w(ln2),
                 ln2_b=None,
                 up_w=up_w.copy(), up_b=up_b, down_w=down_w, down_b=down_b,
                 gate_w=gate_w.copy(), gate_b=gate_b,
                 q_norm_w=norm_w(attn.q_norm) if hasattr(attn, "q_norm") else None,
                 k_norm_w=norm_w(attn.k_norm) if hasattr(attn, "k_norm") else None,
+                post_attn_norm_w=norm_w(post_attn),
+                post_mlp_norm_w=norm_w(post_mlp),
             )
         )
     embed = _np(inner.embed_tokens.weight)
     lm_w, lm_b = _lin(model.lm_head)
-    cos, sin = _rope_tables(model, rotary_dim, max_positions)
+    extra_rope = {}
+    if family == "gemma3_text":  # full layers: global base (+ scaling); sliding layers: local base
+        cos, sin = _rope_tables(model, rotary_dim, max_positions, layer_type="full_attention")
+        if "sliding_attention" in spec.layer_rope:
+            extra_rope["sliding_attention"] = _rope_tables(model, rotary_dim, max_positions,
+                                                           layer_type="sliding_attention")
+    else:
+        cos, sin = _rope_tables(model, rotary_dim, max_positions)
     weights = ModelWeights(
         embed=embed, lm_head=lm_w, lm_head_b=lm_b,
         final_norm_w=norm_w(inner.norm), final_norm_b=None,
+        layers=layers, rope_cos=cos, rope_sin=sin, extra_rope=extra_rope,
+    )
+    return spec, weights
+
+
+# ---------------------------------------------------------------------------------------------
+# StarCoder2 (LayerNorm with bias, plain MLP with biases, biased q/k/v/o, one sliding window)
+# ---------------------------------------------------------------------------------------------
+
+
+def _starcoder2(model, family: str, max_positions: int) -> tuple[ArchSpec, ModelWeights]:
+    cfg = model.config
+    inner = model.model
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    rotary_dim = int(head_dim * _partial_rotary_factor(cfg))
+    _check_rope_types(cfg, family)
+    max_positions = _longrope_context(cfg, max_positions)
+    eos, bos, pad = _special_tokens(cfg)
+    window = getattr(cfg, "sliding_window", None)  # every layer: the runtime's masks apply it
+    spec = ArchSpec(
+        family=family, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_hidden_layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        norm="layer", norm_eps=float(cfg.norm_epsilon),
+        activation=_module_activation(inner.layers[0].mlp, cfg.hidden_act),
+        gated_mlp=False, positions="rope", rotary_dim=rotary_dim, max_positions=max_positions,
+        sliding_window=window, tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        eos_token_ids=eos, bos_token_id=bos, pad_token_id=pad,
+    )
+    layers = []
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        q_w, q_b = _lin(attn.q_proj)
+        k_w, k_b = _lin(attn.k_proj)
+        v_w, v_b = _lin(attn.v_proj)
+        o_w, o_b = _lin(attn.o_proj)
+        up_w, up_b = _lin(mlp.c_fc)
+        down_w, down_b = _lin(mlp.c_proj)
+        layers.append(
+            LayerWeights(
+                ln1_w=_np(layer.input_layernorm.weight), ln1_b=_np(layer.input_layernorm.bias),
+                q_w=q_w, k_w=k_w, v_w=v_w, q_b=q_b, k_b=k_b, v_b=v_b, o_w=o_w, o_b=o_b,
+                ln2_w=_np(layer.post_attention_layernorm.weight),
+                ln2_b=_np(layer.post_attention_layernorm.bias),
+                up_w=up_w, up_b=up_b, down_w=down_w, down_b=down_b,
+            )
+        )
+    lm_w, lm_b = _lin(model.lm_head)
+    cos, sin = _rope_tables(model, rotary_dim, max_positions)
+    weights = ModelWeights(
+        embed=_np(inner.embed_tokens.weight), lm_head=lm_w, lm_head_b=lm_b,
+        final_norm_w=_np(inner.norm.weight), final_norm_b=_np(inner.norm.bias),
         layers=layers, rope_cos=cos, rope_sin=sin,
     )
     return spec, weights
@@ -419,7 +626,13 @@ EXTRACTORS: dict[str, Callable] = {
     "qwen2": _llama_like,
     "qwen3": _llama_like,
     "gemma": _llama_like,
+    "gemma2": _llama_like,
+    "gemma3_text": _llama_like,
+    "granite": _llama_like,
     "phi3": _llama_like,
+    "smollm3": _llama_like,
+    "olmo2": _llama_like,
+    "starcoder2": _starcoder2,
     "gpt2": _gpt2,
     "gpt_neox": _gpt_neox,
 }

@@ -16,7 +16,7 @@ The graph contract (docs/graph-contract.md) is identical for both.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import onnx
@@ -171,25 +171,35 @@ class GraphBuilder:
 
     # -- rotary -----------------------------------------------------------------------------
     def _rope_setup(self) -> None:
-        g = self.g
-        self._cos = g.const(self.w.rope_cos, "cos_cache")
-        self._sin = g.const(self.w.rope_sin, "sin_cache")
-        if not self.opt.fused:
-            cos = g.op("Gather", [self._cos, "position_ids"], "cos_g")  # [B,S,R/2]
-            sin = g.op("Gather", [self._sin, "position_ids"], "sin_g")
-            cos = g.op("Concat", [cos, cos], "cos_full", axis=-1)
-            sin = g.op("Concat", [sin, sin], "sin_full", axis=-1)
-            axes = g.shape([2], "axes")
-            self._cos_b = g.op("Unsqueeze", [cos, axes], "cos_b")  # [B,S,1,R]
-            self._sin_b = g.op("Unsqueeze", [sin, axes], "sin_b")
+        """cos/sin constants for every rotary table a layer uses (portable: gathered once each)."""
+        g, s, w = self.g, self.spec, self.w
+        tables = {"default": (w.rope_cos, w.rope_sin), **w.extra_rope}
+        used = set(s.layer_rope) - {None} if s.layer_rope is not None else {"default"}
+        self._rope_tables: dict[str, tuple[str, str]] = {}
+        for name in sorted(used):
+            if name not in tables:
+                raise ValueError(f"layer rotary table '{name}' has no weights")
+            cos_np, sin_np = tables[name]
+            cos = g.const(cos_np, "cos_cache")
+            sin = g.const(sin_np, "sin_cache")
+            if not self.opt.fused:
+                cos = g.op("Gather", [cos, "position_ids"], "cos_g")  # [B,S,R/2]
+                sin = g.op("Gather", [sin, "position_ids"], "sin_g")
+                cos = g.op("Concat", [cos, cos], "cos_full", axis=-1)
+                sin = g.op("Concat", [sin, sin], "sin_full", axis=-1)
+                axes = g.shape([2], "axes")
+                cos = g.op("Unsqueeze", [cos, axes], "cos_b")  # [B,S,1,R]
+                sin = g.op("Unsqueeze", [sin, axes], "sin_b")
+            self._rope_tables[name] = (cos, sin)
 
-    def _rope(self, x: str, heads: int, hint: str) -> str:
+    def _rope(self, x: str, heads: int, hint: str, table: str = "default") -> str:
         s, g = self.spec, self.g
+        cos, sin = self._rope_tables[table]
         if self.opt.fused:
             attrs = {"num_heads": heads, "interleaved": 0}
             if s.rotary_dim != s.head_dim:
                 attrs["rotary_embedding_dim"] = s.rotary_dim
-            return g.op("RotaryEmbedding", [x, "position_ids", self._cos, self._sin], hint,
+            return g.op("RotaryEmbedding", [x, "position_ids", cos, sin], hint,
                         domain=MS_DOMAIN, **attrs)
         d, r = s.head_dim, s.rotary_dim
         x4 = g.op("Reshape", [x, g.shape([0, 0, heads, d])], hint + "_4d")
@@ -199,10 +209,52 @@ class GraphBuilder:
             rot, keep = x4, None
         x1, x2 = g.op("Split", [rot, g.shape([r // 2, r // 2], "split")], hint + "_halves", n_out=2, axis=-1)
         rotated = g.op("Concat", [g.op("Neg", [x2]), x1], hint + "_rot", axis=-1)
-        out = g.op("Add", [g.op("Mul", [rot, self._cos_b]), g.op("Mul", [rotated, self._sin_b])], hint + "_rope")
+        out = g.op("Add", [g.op("Mul", [rot, cos]), g.op("Mul", [rotated, sin])], hint + "_rope")
         if keep is not None:
             out = g.op("Concat", [out, keep], hint + "_join", axis=-1)
         return g.op("Reshape", [out, g.shape([0, 0, heads * d])], hint + "_3d")
+
+    # -- masks -------------------------------------------------------------------------------
+    def _mask(self, window: int | None) -> str:
+        """The additive mask a layer uses, built once per distinct window.
+
+        ``window`` None: the graph input as given. Otherwise the input plus -inf wherever
+        ``q_pos - k_pos >= window``, with key positions ``0..P-1`` for the committed past (the
+        runtime's cache holds position i at slot i) followed by ``position_ids`` for the new tokens.
+        """
+        if window in self._masks:
+            return self._masks[window]
+        g = self.g
+        mask = "attention_mask"
+        if window is not None:
+            if self._distance is None:
+                past_shape = g.op("Shape", ["past_key.0"], "past_shape")
+                past_len = g.op("Gather", [past_shape, g.const(np.array(1, dtype=np.int64), "one_i", dtype=np.int64)],
+                                "past_len", axis=0)
+                past_pos = g.op("Range", [g.const(np.array(0, dtype=np.int64), "zero_i", dtype=np.int64), past_len,
+                                          g.const(np.array(1, dtype=np.int64), "step_i", dtype=np.int64)],
+                                "past_positions")  # [P]
+                q_pos = g.op("Unsqueeze", ["position_ids", g.shape([2], "axes")], "q_positions")  # [B,S,1]
+                new_pos = g.op("Unsqueeze", ["position_ids", g.shape([1], "axes")], "k_positions")  # [B,1,S]
+                self._distance = g.op("Concat", [g.op("Sub", [q_pos, past_pos], "dist_past"),
+                                                 g.op("Sub", [q_pos, new_pos], "dist_new")],
+                                      "distance", axis=-1)  # [B,S,P+S] = q_pos - k_pos
+            inside = g.op("Less", [self._distance, g.const(np.array(window, dtype=np.int64), "window",
+                                                            dtype=np.int64)], "in_window")
+            extra = g.op("Where", [inside, g.const(np.array(0.0, dtype=np.float32), "zero_f", dtype=np.float32),
+                                   g.const(np.array(-np.inf, dtype=np.float32), "ninf", dtype=np.float32)],
+                         "window_bias")
+            extra = g.op("Unsqueeze", [extra, g.shape([1], "axes")], "window_bias_4d")  # [B,1,S,T]
+            mask = g.op("Add", [mask, extra], f"mask_w{window}")
+        if self.opt.attention_accumulation == "fp64":
+            mask = g.op("Cast", [mask], "mask_cast", to=TensorProto.DOUBLE)
+        elif g.np_dtype != np.float32:
+            mask = g.op("Cast", [mask], "mask_cast", to=g.onnx_dtype)
+        grp = self.spec.num_heads // self.spec.num_kv_heads
+        if grp > 1:  # rows ordered (group, seq): tile the [S, T] mask once per group
+            mask = g.op("Tile", [mask, g.shape([1, 1, grp, 1], "tile")], "mask_tiled")
+        self._masks[window] = mask
+        return mask
 
     # -- attention ---------------------------------------------------------------------------
     def _attention(self, q: str, k_all: str, v_all: str, mask: str, hint: str) -> str:
@@ -219,6 +271,9 @@ class GraphBuilder:
         kt = g.op("Transpose", [k_all], hint + "_kt", perm=[0, 2, 3, 1])  # [B,Hkv,D,T]
         vt = g.op("Transpose", [v_all], hint + "_vt", perm=[0, 2, 1, 3])  # [B,Hkv,T,D]
         scores = g.op("MatMul", [q4, kt], hint + "_scores")
+        if s.attn_softcap:  # the 1/c is folded into the query weights with the scale
+            scores = g.op("Mul", [g.op("Tanh", [scores], hint + "_tanh"),
+                                  g.const(np.array(s.attn_softcap), "softcap")], hint + "_capped")
         if self.opt.attention_accumulation == "fp64":
             # Sums over the key axis in float64, rounded once to the graph dtype: a tree node's
             # visible keys sit at other columns than in sequential decoding (holes of masked
@@ -244,7 +299,6 @@ class GraphBuilder:
     def build(self) -> onnx.ModelProto:
         s, g, w = self.spec, self.g, self.w
         h, hkv, d = s.num_heads, s.num_kv_heads, s.head_dim
-        grp = h // hkv
         kv_type = g.onnx_dtype
         inputs = [
             helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
@@ -258,32 +312,38 @@ class GraphBuilder:
                 outputs.append(helper.make_tensor_value_info(f"new_{kind}.{i}", kv_type, ["batch", "seq", hkv, d]))
 
         x = g.op("Gather", [g.const(w.embed, "embed"), "input_ids"], "embed_tokens")
-        if s.embedding_scale is not None:
+        if s.embedding_scale is not None and s.embedding_scale != 1.0:
             x = g.op("Mul", [x, g.const(np.array(s.embedding_scale), "embed_scale")], "embed_scaled")
         if s.positions == "learned":
             pos = g.op("Gather", [g.const(w.positions, "wpe"), "position_ids"], "embed_positions")
             x = g.op("Add", [x, pos], "embed_sum")
         else:
             self._rope_setup()
-        mask = "attention_mask"
-        if self.opt.attention_accumulation == "fp64":
-            mask = g.op("Cast", [mask], "mask_cast", to=TensorProto.DOUBLE)
-        elif g.np_dtype != np.float32:
-            mask = g.op("Cast", [mask], "mask_cast", to=g.onnx_dtype)
-        if grp > 1:  # rows ordered (group, seq): tile the [S, T] mask once per group
-            mask = g.op("Tile", [mask, g.shape([1, 1, grp, 1], "tile")], "mask_tiled")
+        if s.layer_windows is not None and s.sliding_window is not None:
+            raise ValueError("a model has either one sliding window for the runtime or per-layer windows")
+        self._masks: dict[int | None, str] = {}
+        self._distance: str | None = None
+        windows = s.layer_windows or [None] * s.num_layers
+        ropes = s.layer_rope or ["default"] * s.num_layers
 
         scale = s.attention_scale if s.attention_scale is not None else 1.0 / np.sqrt(d)
+        q_fold = scale / s.attn_softcap if s.attn_softcap else scale  # tanh(q.k * scale / c) * c
         residual, pending = x, None
         for i, lw in enumerate(w.layers):
             p = f"l{i}"
-            normed, residual = self._norm(residual, pending, lw.ln1_w, lw.ln1_b, p + "_ln1")
+            lw = self._fold_residual_multiplier(lw)
+            if lw.ln1_w is not None:
+                normed, residual = self._norm(residual, pending, lw.ln1_w, lw.ln1_b, p + "_ln1")
+            else:  # no pre-attention norm (OLMo 2): the branch reads the residual stream itself
+                if pending is not None:
+                    residual = g.op("Add", [residual, pending], p + "_residual")
+                normed = residual
             q_w, q_b, q_norm = lw.q_w, lw.q_b, lw.q_norm_w
             if q_norm is not None:
-                q_norm = q_norm * scale
+                q_norm = q_norm * q_fold
             else:
-                q_w = q_w * scale
-                q_b = None if q_b is None else q_b * scale
+                q_w = q_w * q_fold
+                q_b = None if q_b is None else q_b * q_fold
             qkv_w = np.concatenate([q_w, lw.k_w, lw.v_w], axis=1)
             qkv_b = None
             if lw.q_b is not None or lw.k_b is not None or lw.v_b is not None:
@@ -297,29 +357,51 @@ class GraphBuilder:
             q, k, v = g.op("Split", [qkv, g.shape([h * d, hkv * d, hkv * d], "split")], p + "_qkv_split",
                            n_out=3, axis=-1)
             if q_norm is not None:
-                q = self._head_rms(q, h, q_norm, p + "_qnorm")
-                k = self._head_rms(k, hkv, lw.k_norm_w, p + "_knorm")
-            if s.positions == "rope":
-                q = self._rope(q, h, p + "_qrope")
-                k = self._rope(k, hkv, p + "_krope")
+                if s.qk_norm == "full":  # over the whole projection, before the head split
+                    q, _ = self._norm(q, None, q_norm, None, p + "_qnorm")
+                    k, _ = self._norm(k, None, lw.k_norm_w, None, p + "_knorm")
+                else:
+                    q = self._head_rms(q, h, q_norm, p + "_qnorm")
+                    k = self._head_rms(k, hkv, lw.k_norm_w, p + "_knorm")
+            if s.positions == "rope" and ropes[i] is not None:
+                q = self._rope(q, h, p + "_qrope", ropes[i])
+                k = self._rope(k, hkv, p + "_krope", ropes[i])
             kv_shape = g.shape([0, 0, hkv, d])
             g.op("Reshape", [k, kv_shape], outputs=[f"new_key.{i}"])
             g.op("Reshape", [v, kv_shape], outputs=[f"new_value.{i}"])
             k_all = g.op("Concat", [f"past_key.{i}", f"new_key.{i}"], p + "_k_all", axis=1)
             v_all = g.op("Concat", [f"past_value.{i}", f"new_value.{i}"], p + "_v_all", axis=1)
-            attn = self._attention(q, k_all, v_all, mask, p + "_attn")
+            attn = self._attention(q, k_all, v_all, self._mask(windows[i]), p + "_attn")
             attn = self._linear(attn, lw.o_w, lw.o_b, p + "_o")
+            if lw.post_attn_norm_w is not None:
+                attn, _ = self._norm(attn, None, lw.post_attn_norm_w, None, p + "_post_attn_norm")
 
             if s.parallel_residual:
                 normed2, _ = self._norm(residual, None, lw.ln2_w, lw.ln2_b, p + "_ln2")
                 mlp = self._mlp(normed2, lw, p)
                 pending = g.op("Add", [attn, mlp], p + "_delta")
             else:
-                normed2, residual = self._norm(residual, attn, lw.ln2_w, lw.ln2_b, p + "_ln2")
+                if lw.ln2_w is not None:
+                    normed2, residual = self._norm(residual, attn, lw.ln2_w, lw.ln2_b, p + "_ln2")
+                else:
+                    residual = g.op("Add", [residual, attn], p + "_residual_attn")
+                    normed2 = residual
                 pending = self._mlp(normed2, lw, p)
+                if lw.post_mlp_norm_w is not None:
+                    pending, _ = self._norm(pending, None, lw.post_mlp_norm_w, None, p + "_post_mlp_norm")
 
         final, _ = self._norm(residual, pending, w.final_norm_w, w.final_norm_b, "final_norm")
-        logits = self._linear(final, w.lm_head, w.lm_head_b, "lm_head")
+        lm_w, lm_b = w.lm_head, w.lm_head_b
+        fold = s.logit_multiplier if s.logit_multiplier is not None else 1.0
+        if s.final_softcap:
+            fold /= s.final_softcap
+        if fold != 1.0:
+            lm_w = lm_w * fold
+            lm_b = None if lm_b is None else lm_b * fold
+        logits = self._linear(final, lm_w, lm_b, "lm_head")
+        if s.final_softcap:  # tanh(logits / c) * c, the 1/c folded into lm_head
+            logits = g.op("Mul", [g.op("Tanh", [logits], "logits_tanh"),
+                                  g.const(np.array(s.final_softcap), "final_softcap")], "logits_capped")
         if g.np_dtype != np.float32:
             logits = g.op("Cast", [logits], "logits_cast", to=TensorProto.FLOAT)
         g.op("Identity", [logits], outputs=["logits"])
@@ -331,6 +413,16 @@ class GraphBuilder:
         model = helper.make_model(graph, opset_imports=opsets, producer_name="specdec-rt")
         model.ir_version = 8 if self.opt.opset <= 17 else 9
         return model
+
+    def _fold_residual_multiplier(self, lw):
+        """Granite's ``residual + branch * m``: m folded into the o and down projections."""
+        m = self.spec.residual_multiplier
+        if m is None or m == 1.0:
+            return lw
+        if lw.post_attn_norm_w is not None or lw.post_mlp_norm_w is not None:
+            raise ValueError("a residual multiplier after a post-branch norm cannot be folded")
+        scaled = lambda a: None if a is None else a * m  # noqa: E731
+        return replace(lw, o_w=lw.o_w * m, o_b=scaled(lw.o_b), down_w=lw.down_w * m, down_b=scaled(lw.down_b))
 
     def _mlp(self, x: str, lw, p: str) -> str:
         g = self.g

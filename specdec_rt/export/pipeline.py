@@ -257,7 +257,8 @@ def export_model(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, role
         "dtype": options.dtype,
         "kv_dtype": "float16" if options.dtype == "fp16" else "float32",
         "max_positions": spec.max_positions,
-        "sliding_window": spec.sliding_window,
+        "sliding_window": spec.sliding_window,  # the runtime's masks apply it (every layer)
+        "graph_windows": spec.layer_windows,  # per-layer windows the graph applies itself; informational
         "quantization": quant,
         "opset": options.opset,
         "fused_ops": not options.portable,

@@ -3,7 +3,8 @@
 Tracing or hand-building a graph can bake in a shape-specific branch, a wrong rotary half, a
 wrong K/V layout. Every export is run through ONNX Runtime for prefill (P = 0), chain verify
 (S = 4 on P > 0), single-token decode (S = 1, which must also equal the matching row of the
-S = 4 call) and a token tree (custom mask, depth positions), and compared with PyTorch.
+S = 4 call) and a token tree (custom mask, depth positions), and compared with PyTorch; models
+with a short sliding window repeat all of it on a past longer than the window.
 """
 from __future__ import annotations
 
@@ -104,31 +105,36 @@ def _concat(past, new):
             for (pk, pv), (nk, nv) in zip(past, new)]
 
 
-def validate(torch_model, onnx_path: str, spec: ArchSpec, *, kv_dtype=np.float32,
-             tolerance: float | None = None, enforce: bool = True, seed: int = 0,
-             prefix_len: int = 7, verify_len: int = 4) -> ValidationReport:
-    """Compare the ONNX graph with ``torch_model`` (fp32) on prefill, verify, decode and a tree."""
+# windows up to this long get a validation case whose committed past exceeds the window (the
+# PyTorch reference then runs sequences of window + 7 tokens); longer windows are left to the tests
+PAST_WINDOW_LIMIT = 512
+
+
+def _shortest_window(spec: ArchSpec) -> int | None:
+    windows = [w for w in [spec.sliding_window, *(spec.layer_windows or [])] if w]
+    return min(windows) if windows else None
+
+
+def _run_cases(torch_model, runner: _OrtRunner, spec: ArchSpec, rng, prefix_len: int, verify_len: int,
+               tag: str) -> dict:
+    """Prefill, chain verify, decode and tree on a ``prefix_len``-token past; errors vs PyTorch."""
     import torch
 
-    rng = np.random.default_rng(seed)
     vocab = spec.vocab_size
     total = prefix_len + verify_len
     tokens = rng.integers(0, vocab, size=total).tolist()
     with torch.no_grad():
         ref = torch_model(torch.tensor([tokens]), use_cache=True)
     ref_logits = ref.logits[0].float().numpy()
-    scale = max(1.0, float(np.abs(ref_logits).max()))
-    tol = tolerance if tolerance is not None else 1e-3 * scale
-    report = ValidationReport(tolerance=tol)
-    runner = _OrtRunner(onnx_path, spec, np.dtype(kv_dtype))
+    cases: dict[str, float] = {}
 
     # prefill, P = 0
     lg_a, kv_a = runner.run(tokens[:prefix_len], list(range(prefix_len)), runner.empty_past())
-    report.cases["prefill_P0"] = float(np.abs(lg_a - ref_logits[:prefix_len]).max())
+    cases[f"prefill_P0{tag}"] = float(np.abs(lg_a - ref_logits[:prefix_len]).max())
     # chain verify, S = verify_len on P > 0
     past = kv_a
     lg_b, kv_b = runner.run(tokens[prefix_len:], list(range(prefix_len, total)), past)
-    report.cases[f"verify_S{verify_len}"] = float(np.abs(lg_b - ref_logits[prefix_len:]).max())
+    cases[f"verify_S{verify_len}{tag}"] = float(np.abs(lg_b - ref_logits[prefix_len:]).max())
     # K/V of every position against PyTorch's cache
     kv_err = 0.0
     full = _concat(kv_a, kv_b)
@@ -139,11 +145,10 @@ def validate(torch_model, onnx_path: str, spec: ArchSpec, *, kv_dtype=np.float32
         n = rk.shape[0]  # a sliding-window cache keeps only the last positions
         kv_err = max(kv_err, float(np.abs(full[i][0][0][-n:].astype(np.float32) - rk).max()),
                      float(np.abs(full[i][1][0][-n:].astype(np.float32) - rv).max()))
-    report.max_kv_error = kv_err
     # decode S = 1 must equal the matching row of the S > 1 call
     lg_c, _ = runner.run(tokens[prefix_len:prefix_len + 1], [prefix_len], past)
-    report.decode_vs_verify_error = float(np.abs(lg_c[0] - lg_b[0]).max())
-    report.cases["decode_S1"] = float(np.abs(lg_c[0] - ref_logits[prefix_len]).max())
+    decode_vs_verify = float(np.abs(lg_c[0] - lg_b[0]).max())
+    cases[f"decode_S1{tag}"] = float(np.abs(lg_c[0] - ref_logits[prefix_len]).max())
 
     # tree verify against sequential PyTorch runs of each root-to-node path
     visible, depth = tree_mask_and_depths(TREE_PARENTS)
@@ -158,11 +163,39 @@ def validate(torch_model, onnx_path: str, spec: ArchSpec, *, kv_dtype=np.float32
             row = torch_model(torch.tensor([seq])).logits[0, -1].float().numpy()
         tree_err = max(tree_err, float(np.abs(lg_t[node] - row).max()))
         agree.append(int(np.argmax(lg_t[node]) == np.argmax(row)))
-    report.tree_error = tree_err
-    report.cases["tree"] = tree_err
+    cases[f"tree{tag}"] = tree_err
     all_rows = np.concatenate([lg_a, lg_b])
     agree += (np.argmax(all_rows, -1) == np.argmax(ref_logits, -1)).astype(int).tolist()
-    report.top1_agreement = float(np.mean(agree))
+    return {"cases": cases, "kv": kv_err, "decode_vs_verify": decode_vs_verify, "tree": tree_err,
+            "agree": agree, "scale": max(1.0, float(np.abs(ref_logits).max()))}
+
+
+def validate(torch_model, onnx_path: str, spec: ArchSpec, *, kv_dtype=np.float32,
+             tolerance: float | None = None, enforce: bool = True, seed: int = 0,
+             prefix_len: int = 7, verify_len: int = 4) -> ValidationReport:
+    """Compare the ONNX graph with ``torch_model`` (fp32) on prefill, verify, decode and a tree.
+
+    With a sliding window of at most ``PAST_WINDOW_LIMIT`` tokens that the default past does not
+    exceed, every case runs a second time on a past longer than the window (cases ``*_past_window``).
+    """
+    rng = np.random.default_rng(seed)
+    runner = _OrtRunner(onnx_path, spec, np.dtype(kv_dtype))
+    runs = [(prefix_len, "")]
+    window = _shortest_window(spec)
+    if (window and prefix_len <= window <= PAST_WINDOW_LIMIT
+            and window + 3 + verify_len + len(TREE_PARENTS) <= spec.max_positions):
+        runs.append((window + 3, "_past_window"))
+    results = [_run_cases(torch_model, runner, spec, rng, p, verify_len, tag) for p, tag in runs]
+
+    scale = max(r["scale"] for r in results)
+    tol = tolerance if tolerance is not None else 1e-3 * scale
+    report = ValidationReport(tolerance=tol)
+    for r in results:
+        report.cases.update(r["cases"])
+    kv_err = report.max_kv_error = max(r["kv"] for r in results)
+    report.decode_vs_verify_error = max(r["decode_vs_verify"] for r in results)
+    report.tree_error = max(r["tree"] for r in results)
+    report.top1_agreement = float(np.mean([a for r in results for a in r["agree"]]))
     report.max_logit_error = max(report.cases.values())
     if enforce and (report.max_logit_error > tol or report.decode_vs_verify_error > tol or kv_err > tol):
         raise ValidationError(
