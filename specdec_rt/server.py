@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--provider", default="cpu", help="cpu | cuda | tensorrt | trt")
     ap.add_argument("--draft-provider", default=None, help="provider for the draft (default: --provider)")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--max-length", type=int, default=None, help="cap the KV buffers (saves memory)")
+    ap.add_argument("--max-context", "--max-length", dest="max_length", type=int, default=None,
+                    help="positions to preallocate K/V for (default: the bundle's context, at most 4096)")
     ap.add_argument("--max-new-tokens-limit", type=int, default=2048)
     args = ap.parse_args(argv)
     try:

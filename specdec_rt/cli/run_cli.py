@@ -20,6 +20,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--provider", default="cpu", help="cpu | cuda | tensorrt (default cpu)")
     ap.add_argument("--draft-provider", default=None, help="provider for the draft (default: --provider)")
     ap.add_argument("--threads", type=int, default=None, help="intra-op threads per session")
+    ap.add_argument("--max-context", type=int, default=None,
+                    help="positions (prompt + generation) to preallocate K/V for "
+                         "(default: the bundle's context, at most 4096)")
     ap.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     ap.add_argument("--stream", action="store_true", help="print text as it is committed")
     ap.add_argument("--chat", action="store_true", help="read prompts from stdin line by line")
@@ -47,7 +50,7 @@ def _run(args) -> int:
     import specdec_rt
 
     gen = specdec_rt.load(args.bundle, provider=args.provider, draft_provider=args.draft_provider,
-                          threads=args.threads, shared_thread_pool=True)
+                          threads=args.threads, shared_thread_pool=True, max_context=args.max_context)
     kwargs = generation_kwargs(args)
     if args.chat:
         for line in sys.stdin:
@@ -88,6 +91,8 @@ def _print_stats(stats, stream) -> None:
             f"{stats.target_calls} target calls, {stats.tokens_per_target_call:.2f} tokens/call")
     if stats.proposed:
         line += f", acceptance {stats.acceptance_rate:.1%}"
+    if stats.peak_rss_bytes:
+        line += f", peak RSS {stats.peak_rss_bytes / 2**20:.0f} MiB"
     print(line + "]", file=stream)
 
 

@@ -6,7 +6,7 @@ from typing import Protocol
 
 import numpy as np
 
-from specdec_rt.runtime.engine import OrtEngine, causal_mask
+from specdec_rt.runtime.engine import OrtEngine
 from specdec_rt.runtime.sampling import SamplingParams, probabilities, sample
 
 
@@ -54,14 +54,10 @@ class ModelDrafter:
             self._seen.append(new_tokens[0])
             self.calls += 1
             return row
-        p = eng.length
-        positions = np.arange(p, p + len(new_tokens), dtype=np.int64)
-        logits = eng.forward(np.asarray(new_tokens, dtype=np.int64), positions, causal_mask(p, positions,
-                             eng.info.sliding_window))
-        eng.commit(len(new_tokens))
+        row = eng.extend(new_tokens)
         self._seen.extend(new_tokens)
         self.calls += 1
-        return logits[-1]
+        return row
 
     def propose(self, tokens: list[int], k: int, params: SamplingParams,
                 rng: np.random.Generator) -> tuple[list[int], np.ndarray | None]:

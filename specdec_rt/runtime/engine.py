@@ -20,6 +20,10 @@ from specdec_rt.runtime.providers import device_of, resolve_provider
 
 NEG_INF = np.float32(-np.inf)
 
+# Long inputs (prompts) run in chunks of this many tokens: the graph returns logits for every
+# row, and a 4k-token prompt over a 152k vocabulary would otherwise need a 2.5 GB logits tensor.
+PREFILL_CHUNK = 256
+
 
 class ContextOverflowError(ValueError):
     """The sequence would not fit in the model's context."""
@@ -136,6 +140,19 @@ class EngineBase:
         self.cache.gather_into([self.length + s for s in src_offsets], self.length)
         self.length += len(src_offsets)
 
+    def extend(self, tokens, chunk: int = PREFILL_CHUNK) -> np.ndarray:
+        """Run ``tokens`` at the next positions in chunks of ``chunk`` and commit them; returns
+        the last token's logits row. Chunks bound the logits output (every row's, [S, V])."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        row = None
+        for start in range(0, len(ids), chunk):
+            p = self.length
+            part = ids[start:start + chunk]
+            positions = np.arange(p, p + len(part), dtype=np.int64)
+            row = self.forward(part, positions, causal_mask(p, positions, self.info.sliding_window))[-1]
+            self.commit(len(part))
+        return row
+
     def step(self, token: int) -> np.ndarray:
         """One token at the next position; returns its logits row and commits it."""
         p = self.length
@@ -169,8 +186,7 @@ class OrtEngine(EngineBase):
         # pad row's K/V there when the cache is full
         self.cache = cache_cls(info.num_layers, max_len + 1, info.num_kv_heads, info.head_dim, kv_dtype)
         self.vocab_size = info.vocab_size
-        self._logits = np.zeros((1, max_len + 1, info.vocab_size), dtype=np.float32)
-        self._logits_ptr = self._logits.ctypes.data
+        self._logits = np.zeros((1, 0, info.vocab_size), dtype=np.float32)  # IO binding; grown on demand
         self._kv_elem = ort_element_type(kv_dtype)
         self._kv_shape_tail = [info.num_kv_heads, info.head_dim]
         self._binding = self.session.io_binding()
@@ -229,7 +245,9 @@ class OrtEngine(EngineBase):
             b.bind_input(pv, dev, 0, elem, past_shape, cache.value_ptr(layer, 0))
             b.bind_output(nk, dev, 0, elem, new_shape, cache.key_ptr(layer, p))
             b.bind_output(nv, dev, 0, elem, new_shape, cache.value_ptr(layer, p))
-        b.bind_output("logits", "cpu", 0, np.float32, [1, s, self.vocab_size], self._logits_ptr)
+        if self._logits.shape[1] < s:  # rows of the widest call so far (prefill chunks, trees)
+            self._logits = np.zeros((1, max(s, 2 * self._logits.shape[1]), self.vocab_size), dtype=np.float32)
+        b.bind_output("logits", "cpu", 0, np.float32, [1, s, self.vocab_size], self._logits.ctypes.data)
         t0 = time.perf_counter()
         self.session.run_with_iobinding(b)
         self.model_time += time.perf_counter() - t0

@@ -10,6 +10,7 @@ import numpy as np
 from specdec_rt.runtime.bundle import Bundle, BundleError, load_bundle
 from specdec_rt.runtime.drafters import Drafter, ModelDrafter, PromptLookupDrafter
 from specdec_rt.runtime.engine import ContextOverflowError, make_engine, probe_row_invariance
+from specdec_rt.runtime.memory import peak_rss_bytes, reset_peak_rss
 from specdec_rt.runtime.sampling import SamplingParams, SamplingParamsError
 from specdec_rt.runtime.speculative import LoopConfig, run_chain
 from specdec_rt.runtime.stats import GenerationStats
@@ -35,17 +36,36 @@ class GenerationResult:
                 "stats": self.stats.to_dict()}
 
 
+DEFAULT_CONTEXT = 4096
+
+
+def resolve_context(bundle_max: int, requested: int | None) -> int:
+    """Positions to preallocate K/V for: what was asked, else min(bundle maximum, 4096).
+
+    The cache costs 2 x layers x kv_heads x head_dim x dtype bytes per position (a 128k-context
+    1.5B model would take ~3.5 GB of float32 K/V), so the model's maximum is never the default.
+    """
+    if requested is None:
+        return min(bundle_max, DEFAULT_CONTEXT)
+    if isinstance(requested, bool) or not isinstance(requested, (int, np.integer)) or requested < 2:
+        raise GenerationInputError(f"max_context must be an integer >= 2, got {requested!r}")
+    if requested > bundle_max:
+        raise GenerationInputError(
+            f"max_context {requested} exceeds the bundle's context of {bundle_max} tokens "
+            "(re-export with a larger specdec-export --max-context)")
+    return int(requested)
+
+
 class Generator:
     """A loaded bundle: target engine, optional draft engine, tokenizer."""
 
     def __init__(self, bundle: Bundle, provider: str = "cpu", draft_provider: str | None = None,
                  threads: int | None = None, max_length: int | None = None,
                  io_binding: bool | None = None, draft_threads: int | None = 1,
-                 shared_thread_pool: bool = False, probe_rows: bool = True) -> None:
+                 shared_thread_pool: bool = False, probe_rows: bool = True,
+                 max_context: int | None = None) -> None:
         self.bundle = bundle
-        self.max_length = min(max_length or bundle.max_context, bundle.max_context)
-        if self.max_length < 2:
-            raise GenerationInputError("max_length must be at least 2")
+        self.max_length = resolve_context(bundle.max_context, max_context or max_length)
         self.tokenizer = TextTokenizer(bundle.tokenizer_path)
         self.target = make_engine(bundle.graph_path("target"), bundle.target, self.max_length, provider,
                                 threads, bundle.root, io_binding, shared_thread_pool)
@@ -81,7 +101,9 @@ class Generator:
         if len(ids) >= self.max_length:
             raise ContextOverflowError(
                 f"the prompt has {len(ids)} tokens but the context is {self.max_length}; "
-                "shorten the prompt (at least one position must remain for generation)")
+                "shorten the prompt (at least one position must remain for generation)"
+                + (f" or raise max_context (the bundle allows {self.bundle.max_context})"
+                   if self.max_length < self.bundle.max_context else ""))
         return ids
 
     def _drafter(self, drafter: str | None) -> Drafter | None:
@@ -141,7 +163,11 @@ class Generator:
             inner = run_tree(self.target, d, prompt_ids, cfg, rng, stats, shape)
         else:
             raise GenerationInputError(f"speculation must be 'chain' or 'tree', not {speculation!r}")
-        yield from inner
+        reset_peak_rss()
+        try:
+            yield from inner
+        finally:
+            stats.peak_rss_bytes = peak_rss_bytes()
         if d is not None:
             stats.draft_calls = getattr(d, "calls", 0)
 
@@ -232,12 +258,13 @@ def load(bundle: str | os.PathLike, provider: str = "cpu", draft_provider: str |
          threads: int | None = None, max_length: int | None = None,
          verify_checksums: bool = True, io_binding: bool | None = None,
          draft_threads: int | None = 1, shared_thread_pool: bool = False,
-         probe_rows: bool = True) -> Generator:
+         probe_rows: bool = True, max_context: int | None = None) -> Generator:
     """Load a bundle. ``provider``: "cpu" | "cuda" | "tensorrt"; the draft may use another one.
 
     ``io_binding``: bind the KV buffers by pointer (default on GPUs; on CPU the default feeds
-    zero-copy views, measured faster for small models). ``max_length`` caps the preallocated
-    context below the bundle's maximum to save memory. ``threads``: intra-op threads of the
+    zero-copy views, measured faster for small models). ``max_context``: positions (prompt plus
+    generation) to preallocate K/V for; default min(bundle's context, 4096), never more than the
+    bundle's (``max_length`` is its older name, still accepted). ``threads``: intra-op threads of the
     target (default: the cores); ``draft_threads``: of the draft (default 1, measured fastest
     for small drafts; None = same as ``threads``). ``shared_thread_pool``: run both models on
     ONNX Runtime's process-wide thread pool (measured ~1.5x faster per draft+verify cycle on 2
@@ -251,7 +278,8 @@ def load(bundle: str | os.PathLike, provider: str = "cpu", draft_provider: str |
     b = load_bundle(bundle, verify_checksums=verify_checksums)
     return Generator(b, provider=provider, draft_provider=draft_provider, threads=threads,
                      max_length=max_length, io_binding=io_binding, draft_threads=draft_threads,
-                     shared_thread_pool=shared_thread_pool, probe_rows=probe_rows)
+                     shared_thread_pool=shared_thread_pool, probe_rows=probe_rows,
+                     max_context=max_context)
 
 
 __all__ = ["load", "Generator", "GenerationResult", "GenerationStats", "BundleError"]

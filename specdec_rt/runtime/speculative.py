@@ -54,11 +54,7 @@ def prefill(target: OrtEngine, drafter, prompt: list[int], params: SamplingParam
     Leaves the loop invariant in place: the target cache holds every token but the last.
     """
     target.reset()
-    positions = np.arange(len(prompt), dtype=np.int64)
-    logits = target.forward(np.asarray(prompt, dtype=np.int64), positions,
-                            causal_mask(0, positions, target.info.sliding_window))
-    tokens = list(prompt) + [_pick(logits[-1], params, rng)]
-    target.commit(len(prompt))
+    tokens = list(prompt) + [_pick(target.extend(prompt), params, rng)]
     if drafter is not None:
         drafter.start(prompt)
     stats.time_prefill = stats.time_total = time.perf_counter() - t_start

@@ -23,6 +23,7 @@ class GenerationStats:
     speculation: str = "chain"
     num_draft_tokens: int | str = 0
     draft_lengths: list[int] = field(default_factory=list)
+    peak_rss_bytes: int = 0  # process peak during this generation (Linux; elsewhere lifetime peak)
 
     def record(self, proposed: int, accepted: int) -> None:
         while len(self.per_position_proposed) < proposed:
