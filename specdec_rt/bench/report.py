@@ -54,6 +54,12 @@ def markdown(results: dict) -> str:
                 f"{g['ratio_S1']:.2f}, {g['ratio_S5']:.2f} |")
     curve = results["target_time_curve"]
     lines += ["", "Target time T(S)/T(1): " + ", ".join(f"S={s}: {r:.2f}" for s, r in zip(curve["S"], curve["ratio"]))]
+    if results.get("target_min_rows", 1) > 1:
+        lines.append(f"(one-row target calls padded to {results['target_min_rows']} rows for exactness: "
+                     "T(1) is the padded cost)")
+    if results.get("predicted_speedup"):
+        lines += ["", "Predicted chain speedup from this cost model: " + "; ".join(
+            f"alpha {p['alpha']}: {p['speedup']:.2f}x at K={p['best_k']}" for p in results["predicted_speedup"])]
     return "\n".join(lines) + "\n"
 
 

@@ -80,6 +80,19 @@ def ideal_speedup(alpha: float, k: int, c: float, t_ratio: float) -> float:
     return tokens / (k * c + t_ratio)
 
 
+def predicted_speedups(c: float, t_curve: list[float], alphas=(0.6, 0.7, 0.8)) -> list[dict]:
+    """Best chain K and its Leviathan speedup for assumed acceptance rates, from the measured
+    cost model (c, T(S)): what a pair with this cost profile would reach if the draft agreed
+    that often (random-weight scale checkpoints have no meaningful acceptance of their own)."""
+    t1 = t_curve[0]
+    out = []
+    for alpha in alphas:
+        best = max(range(1, len(t_curve)), key=lambda k: ideal_speedup(alpha, k, c, t_curve[k] / t1))
+        out.append({"alpha": alpha, "best_k": best,
+                    "speedup": ideal_speedup(alpha, best, c, t_curve[best] / t1)})
+    return out
+
+
 def _specs(cfg: BenchConfig, has_draft: bool) -> list[RunSpec]:
     specs = [RunSpec("target-only", None, 0)]
     for drafter in cfg.drafters:
@@ -209,6 +222,8 @@ def run_bench(cfg: BenchConfig) -> dict:
                               "ratio": [t / t1 for t in t_curve]},
         "draft_step_seconds": draft_step,
         "c": c,
+        "predicted_speedup": predicted_speedups(c, t_curve) if gen.draft_engine else [],
+        "target_min_rows": getattr(gen.target, "min_rows", 1),
         "peak_rss_mb": peak_rss,
         "target_only_tokens_per_second": base_tps,
         "rows": rows,
