@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", dest="json_path", help="write the results here")
     args = ap.parse_args(argv)
 
-    from specdec_rt.runtime.errors import USER_ERRORS
+    from specdec_rt.errors import USER_ERRORS
 
     prompts = _prompts(args.prompts)
     rows: dict[str, dict] = {}

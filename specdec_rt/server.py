@@ -20,7 +20,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from specdec_rt.runtime.errors import USER_ERRORS
+from specdec_rt.errors import USER_ERRORS
 
 MAX_BODY = 1 << 20
 

@@ -42,7 +42,7 @@ def generation_kwargs(args) -> dict:
 
 def fail(fn: Callable[[], int]) -> int:
     """Run ``fn``; print expected errors as one line instead of a traceback."""
-    from specdec_rt.runtime.errors import USER_ERRORS
+    from specdec_rt.errors import USER_ERRORS
 
     try:
         return fn()

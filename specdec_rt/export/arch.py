@@ -11,11 +11,9 @@ from typing import Callable
 
 import numpy as np
 
+from specdec_rt.errors import UnsupportedArchitectureError  # noqa: F401 - defined there, re-exported here
+
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "gpt_neox")
-
-
-class UnsupportedArchitectureError(ValueError):
-    """The checkpoint's ``model_type`` has no extractor."""
 
 
 @dataclass

@@ -10,16 +10,13 @@ from pathlib import Path
 
 import numpy as np
 
+from specdec_rt.errors import ExportError  # noqa: F401 - defined there, re-exported here
 from specdec_rt.export.arch import ArchSpec, UnsupportedArchitectureError, extract
 from specdec_rt.export.graph import GraphOptions, build_model, save_model
 from specdec_rt.runtime.bundle import (CONTRACT_VERSION, FORMAT_NAME, FORMAT_VERSION, MANIFEST,
                                        sha256_file)
 
 DEFAULT_MAX_CONTEXT = 4096
-
-
-class ExportError(ValueError):
-    """A checkpoint cannot be exported; the message says why."""
 
 
 @dataclass

@@ -14,14 +14,12 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specdec_rt.errors import BundleError  # noqa: F401 - defined there, re-exported here
+
 FORMAT_NAME = "specdec-rt-bundle"
 FORMAT_VERSION = 1
 CONTRACT_VERSION = 1
 MANIFEST = "manifest.json"
-
-
-class BundleError(ValueError):
-    """The bundle is missing, corrupt, tampered with or inconsistent."""
 
 
 @dataclass

@@ -14,15 +14,12 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from specdec_rt.errors import ContextOverflowError  # noqa: F401 - defined there, re-exported here
 from specdec_rt.runtime.bundle import ModelInfo
 from specdec_rt.runtime.kv_cache import CudaKVCache, KVCache
 from specdec_rt.runtime.providers import device_of, resolve_provider
 
 NEG_INF = np.float32(-np.inf)
-
-
-class ContextOverflowError(ValueError):
-    """The sequence would not fit in the model's context."""
 
 
 _GLOBAL_POOL: int | None = None  # intra-op size of the process-wide pool, once created

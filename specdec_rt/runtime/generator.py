@@ -7,6 +7,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from specdec_rt.errors import GenerationInputError  # noqa: F401 - defined there, re-exported here
 from specdec_rt.runtime.bundle import Bundle, BundleError, load_bundle
 from specdec_rt.runtime.drafters import Drafter, ModelDrafter, PromptLookupDrafter
 from specdec_rt.runtime.engine import ContextOverflowError, make_engine
@@ -16,10 +17,6 @@ from specdec_rt.runtime.stats import GenerationStats
 from specdec_rt.runtime.tokenizer import IncrementalDecoder, TextTokenizer
 
 DRAFTERS = ("model", "prompt_lookup")
-
-
-class GenerationInputError(ValueError):
-    """The prompt or a generation argument is invalid."""
 
 
 @dataclass
