@@ -111,7 +111,7 @@ def check_one(bundle: Path, kwargs: dict, prompts: list[str], max_new: int, ref:
     pos = np.arange(len(ids[0]), dtype=np.int64)
     logits = np.array(eng.forward(np.asarray(ids[0], dtype=np.int64), pos, causal_mask(0, pos)), copy=True)
     eng.reset()
-    common = dict(max_new_tokens=max_new, ignore_eos=True)
+    common = dict(max_new_tokens=max_new, ignore_eos=True, temperature=0.0)
     has_draft = gen.draft_engine is not None
     spec_kw = dict(common, num_draft_tokens=4, drafter="model" if has_draft else "prompt_lookup")
     base_kw = dict(common, num_draft_tokens=0, drafter=None)

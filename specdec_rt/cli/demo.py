@@ -44,19 +44,19 @@ def run_demo(bundle_dir: Path, args) -> int:
     k = args.num_draft_tokens
     n = args.max_new_tokens
     ids = gen.tokenizer.encode(prompt)
-    gen.generate_ids(ids, max_new_tokens=8, drafter=None)  # warm up both sessions
-    gen.generate_ids(ids, max_new_tokens=8, num_draft_tokens=4)
+    gen.generate_ids(ids, max_new_tokens=8, drafter=None, temperature=0.0)  # warm up both sessions
+    gen.generate_ids(ids, max_new_tokens=8, num_draft_tokens=4, temperature=0.0)
 
     base_t, spec_t = [], []
     base_ids = spec_ids = None
     spec_stats = None
     for _ in range(3):  # interleaved, so drift on a shared machine hits both alike
         t = time.perf_counter()
-        base_ids = gen.generate_ids(ids, max_new_tokens=n, drafter=None, ignore_eos=True)
+        base_ids = gen.generate_ids(ids, max_new_tokens=n, drafter=None, ignore_eos=True, temperature=0.0)
         base_t.append(time.perf_counter() - t)
         t = time.perf_counter()
         spec_ids = gen.generate_ids(ids, max_new_tokens=n, num_draft_tokens=k, drafter="model",
-                                    ignore_eos=True)
+                                    ignore_eos=True, temperature=0.0)
         spec_t.append(time.perf_counter() - t)
         spec_stats = gen.last_stats
     b, s = statistics.median(base_t), statistics.median(spec_t)
