@@ -8,14 +8,26 @@ from pathlib import Path
 
 
 def reference_dir() -> Path:
-    """models/reference of the source tree (the pair ships with the repository)."""
+    """The shipped reference pair: package data of specdec_rt (``specdec_rt/data/reference``).
+
+    Found through ``importlib.resources``, so it works from any directory after a plain
+    ``pip install`` (not only in a clone). The exporter needs real files: a package imported from
+    a zip archive is refused with a clear message.
+    """
+    from importlib.resources import files
+
     import specdec_rt
 
-    for base in (Path(specdec_rt.__file__).resolve().parents[1], Path.cwd()):
-        cand = base / "models" / "reference"
-        if (cand / "target" / "config.json").is_file():
+    res = files("specdec_rt").joinpath("data").joinpath("reference")
+    # a plain install gives a Path; other loaders (e.g. some editable modes) fall back to the module's folder
+    candidates = [res] if isinstance(res, Path) else []
+    candidates.append(Path(specdec_rt.__file__).resolve().parent / "data" / "reference")
+    for cand in candidates:
+        if (cand / "target" / "config.json").is_file() and (cand / "draft" / "model.safetensors").is_file():
             return cand
-    raise FileNotFoundError("models/reference not found: run --demo from a clone of the specdec-rt repository")
+    raise FileNotFoundError(
+        f"the reference pair is not installed ({res} has no target/ and draft/ checkpoints; a package "
+        "imported from an archive cannot be exported from); reinstall specdec-rt with pip")
 
 
 def reference_prompts(ref: Path | None = None) -> list[dict]:
