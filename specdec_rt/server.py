@@ -1,6 +1,6 @@
 """A small stdlib-only HTTP server around one loaded bundle (``python -m specdec_rt.server``).
 
-Why stdlib: a Jetson deployment installs numpy, onnxruntime and tokenizers and nothing else.
+Why stdlib: a Jetson deployment installs numpy, onnxruntime, tokenizers and jinja2 and nothing else.
 One :class:`Generator` owns one KV cache per model, so generations are serialized by a lock;
 requests queue on it (``ThreadingHTTPServer`` keeps /health answering meanwhile).
 
