@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Run every backend present against the CPU reference: exactness, logit error, speed.
 
-    python scripts/gpu_check.py                      # export models/reference/{target,draft}
+    python scripts/gpu_check.py                      # export specdec_rt/data/reference/{target,draft}
     python scripts/gpu_check.py --bundle DIR         # an existing (portable) bundle
     python scripts/gpu_check.py --target T --draft D # export this pair (portable) first
     python scripts/gpu_check.py --tiny               # a tiny random pair (needs torch, tests/)
@@ -29,7 +29,7 @@ DEFAULT_PROMPTS = ["def fill(self, text):\n", "import heapq\n\nclass Queue:\n", 
 
 
 def _prompts(n: int) -> list[str]:
-    path = ROOT / "models" / "reference" / "eval_prompts.jsonl"
+    path = ROOT / "specdec_rt" / "data" / "reference" / "eval_prompts.jsonl"
     if path.is_file():
         rows = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
         return rows[:n] or DEFAULT_PROMPTS[:n]
@@ -49,8 +49,8 @@ def make_bundle(args, tmp: Path) -> tuple[Path, bool]:
         target = make_checkpoint(llama_config(), tmp / "target", seed=0)
         draft = make_perturbed_copy(target, tmp / "draft", noise=0.03)
     else:
-        target = Path(args.target or ROOT / "models" / "reference" / "target")
-        draft = Path(args.draft) if args.draft else (None if args.target else ROOT / "models" / "reference" / "draft")
+        target = Path(args.target or ROOT / "specdec_rt" / "data" / "reference" / "target")
+        draft = Path(args.draft) if args.draft else (None if args.target else ROOT / "specdec_rt" / "data" / "reference" / "draft")
         if not target.is_dir():
             raise SystemExit(f"gpu_check: no checkpoint at {target}; pass --bundle DIR, --target DIR "
                              "[--draft DIR], or --tiny")
@@ -111,7 +111,7 @@ def check_one(bundle: Path, kwargs: dict, prompts: list[str], max_new: int, ref:
     pos = np.arange(len(ids[0]), dtype=np.int64)
     logits = np.array(eng.forward(np.asarray(ids[0], dtype=np.int64), pos, causal_mask(0, pos)), copy=True)
     eng.reset()
-    common = dict(max_new_tokens=max_new, ignore_eos=True)
+    common = dict(max_new_tokens=max_new, ignore_eos=True, temperature=0.0)
     has_draft = gen.draft_engine is not None
     spec_kw = dict(common, num_draft_tokens=4, drafter="model" if has_draft else "prompt_lookup")
     base_kw = dict(common, num_draft_tokens=0, drafter=None)
@@ -139,7 +139,7 @@ def check_one(bundle: Path, kwargs: dict, prompts: list[str], max_new: int, ref:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bundle", help="existing bundle (portable, for the TensorRT backends)")
-    ap.add_argument("--target", help="target checkpoint to export (default models/reference/target)")
+    ap.add_argument("--target", help="target checkpoint to export (default specdec_rt/data/reference/target)")
     ap.add_argument("--draft", help="draft checkpoint to export")
     ap.add_argument("--tiny", action="store_true", help="export a tiny random pair (tests/helpers.py)")
     ap.add_argument("--build-engines", action="store_true",
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", dest="json_path", help="write the results here")
     args = ap.parse_args(argv)
 
-    from specdec_rt.runtime.errors import USER_ERRORS
+    from specdec_rt.errors import USER_ERRORS
 
     prompts = _prompts(args.prompts)
     rows: dict[str, dict] = {}

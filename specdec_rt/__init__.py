@@ -1,7 +1,7 @@
 """specdec-rt: speculative decoding on ONNX Runtime.
 
 The top-level package re-exports the runtime API lazily, so ``import specdec_rt`` never pulls in
-torch: a deployment needs numpy, onnxruntime and tokenizers and nothing else.
+torch: a deployment needs numpy, onnxruntime, tokenizers and jinja2 (chat templates) and nothing else.
 """
 from __future__ import annotations
 

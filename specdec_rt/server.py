@@ -1,12 +1,13 @@
 """A small stdlib-only HTTP server around one loaded bundle (``python -m specdec_rt.server``).
 
-Why stdlib: a Jetson deployment installs numpy, onnxruntime and tokenizers and nothing else.
+Why stdlib: a Jetson deployment installs numpy, onnxruntime, tokenizers and jinja2 and nothing else.
 One :class:`Generator` owns one KV cache per model, so generations are serialized by a lock;
 requests queue on it (``ThreadingHTTPServer`` keeps /health answering meanwhile).
 
 * ``GET /health`` -> ``{"status": "ok", "provider", "draft_provider", "max_length", "has_draft"}``
-* ``POST /generate`` JSON ``{prompt, max_new_tokens, temperature, top_k, top_p, seed,
+* ``POST /generate`` JSON ``{prompt, max_new_tokens, temperature, top_k, top_p, do_sample, seed,
   num_draft_tokens, drafter, stop, stream}`` -> ``{text, token_ids, stats, finish_reason}``;
+  sampling fields left out take the bundle's ``generation_config.json`` defaults (greedy if none);
   with ``"stream": true`` a chunked ``text/event-stream``: ``data: {"text": piece}`` events, then
   ``data: {"done": true, token_ids, stats, finish_reason}``.
 * Bad input -> 400 ``{"error": message}`` (the runtime's user errors and the checks below).
@@ -20,7 +21,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from specdec_rt.runtime.errors import USER_ERRORS
+from specdec_rt.errors import USER_ERRORS
 
 MAX_BODY = 1 << 20
 
@@ -28,9 +29,10 @@ MAX_BODY = 1 << 20
 FIELDS: dict[str, tuple[tuple[type, ...], Any]] = {
     "prompt": ((str, list), None),
     "max_new_tokens": ((int,), 128),
-    "temperature": ((int, float), 0.0),
-    "top_k": ((int,), 0),
-    "top_p": ((int, float), 1.0),
+    "temperature": ((int, float, type(None)), None),  # None: the bundle's generation_config default
+    "top_k": ((int, type(None)), None),
+    "top_p": ((int, float, type(None)), None),
+    "do_sample": ((bool, type(None)), None),
     "seed": ((int, type(None)), None),
     "num_draft_tokens": ((int, str), 4),
     "drafter": ((str, type(None)), "default"),

@@ -107,3 +107,46 @@ def make_perturbed_copy(src: Path, out_dir: Path, noise: float, seed: int = 7) -
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(src / name, out_dir / name)
     return out_dir
+
+
+def make_chat_tokenizer(out_dir: Path, style: str, vocab_size: int = 320, template_file: bool = False) -> Path:
+    """A byte-level BPE with the special tokens of several chat formats and a chat template of
+    ``style`` (tests/chat_templates.py) in tokenizer_config.json (or in chat_template.jinja)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    from chat_templates import SPECIAL_TOKENS, STYLES
+
+    spec = STYLES[style]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([_corpus()], trainer)
+    assert tok.get_vocab_size() == vocab_size, tok.get_vocab_size()
+    if spec["post_bos"]:
+        bos = spec["post_bos"]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    cfg.update({k: v for k, v in spec["config"].items() if v is not None})
+    if template_file:
+        assert isinstance(spec["template"], str)
+        (out_dir / "chat_template.jinja").write_text(spec["template"])
+    else:
+        cfg["chat_template"] = spec["template"]
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+    return out_dir
+
+
+def make_chat_checkpoint(out_dir: Path, style: str, generation_config: dict | None = None, seed: int = 0,
+                         template_file: bool = False) -> Path:
+    """A tiny random Llama with a chat tokenizer and (optionally) a given generation_config.json."""
+    cfg = llama_config()
+    make_checkpoint(cfg, out_dir, seed=seed)
+    make_chat_tokenizer(out_dir, style, cfg.vocab_size, template_file=template_file)
+    if generation_config is not None:
+        (out_dir / "generation_config.json").write_text(json.dumps(generation_config, indent=2))
+    return out_dir

@@ -148,13 +148,18 @@ def test_missing_gpu_backend_names_what_to_install(tiny_pair):
         specdec_rt.load(tiny_pair["bundle"], provider="cuda")
 
 
-def test_runtime_never_imports_torch(tiny_pair):
+def test_runtime_never_imports_torch_or_the_export_package(tiny_pair):
+    """A generation (and a user error reported the CLI way) loads neither torch nor specdec_rt.export."""
     code = (
-        "import sys, specdec_rt\n"
+        "import sys, specdec_rt.runtime, specdec_rt\n"
+        "from specdec_rt.cli.common import fail\n"
+        "from specdec_rt.runtime.errors import USER_ERRORS\n"
         f"g = specdec_rt.load({str(tiny_pair['bundle'])!r})\n"
         "r = g.generate('hello', max_new_tokens=5)\n"
         "assert r.token_ids\n"
-        "bad = [m for m in ('torch', 'transformers', 'onnx') if m in sys.modules]\n"
+        "assert fail(lambda: g.generate('hello', temperature=-1)) == 1\n"
+        "bad = [m for m in sys.modules if m in ('torch', 'transformers', 'onnx')\n"
+        "       or m.startswith(('torch.', 'transformers.', 'onnx.', 'specdec_rt.export'))]\n"
         "print('LOADED', bad)\n"
         "sys.exit(1 if bad else 0)\n"
     )

@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-REF = Path(__file__).resolve().parents[1] / "models" / "reference"
+from specdec_rt.cli.demo import reference_dir
+
+REPO = Path(__file__).resolve().parents[1]
+REF = reference_dir()  # package data: specdec_rt/data/reference
+SHIPPED = ["README.md", "eval_prompts.jsonl"] + [
+    f"{role}/{name}" for role in ("target", "draft")
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")]
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +44,47 @@ def prompts():
 
 
 def test_reference_files_are_shipped():
-    for role in ("target", "draft"):
-        for name in ("config.json", "model.safetensors", "tokenizer.json"):
-            assert (REF / role / name).is_file(), f"models/reference/{role}/{name} is missing"
+    for rel in SHIPPED:
+        assert (REF / rel).is_file(), f"specdec_rt/data/reference/{rel} is missing"
     total = sum(f.stat().st_size for f in REF.rglob("*.safetensors"))
     assert total <= 40 * 1024 * 1024
+
+
+def test_reference_lookup_goes_through_importlib_resources():
+    from importlib.resources import files
+
+    import specdec_rt
+
+    assert REF.resolve() == (files("specdec_rt") / "data" / "reference").resolve()
+    assert REF.resolve() == Path(specdec_rt.__file__).resolve().parent / "data" / "reference"
+
+
+def test_reference_lookup_works_from_another_directory(tmp_path):
+    code = "from specdec_rt.cli.demo import reference_dir, reference_prompts; print(reference_dir()); " \
+           "print(len(reference_prompts()))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [str(REF), "10"]
+
+
+def test_wheel_contains_the_reference_pair(tmp_path):
+    """A non-editable build carries the pair as package data (and not the training logs)."""
+    import shutil
+    import zipfile
+
+    src = tmp_path / "src"
+    shutil.copytree(REPO / "specdec_rt", src / "specdec_rt", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                           "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (wheel,) = (tmp_path / "dist").glob("specdec_rt-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for rel in SHIPPED:
+        assert f"specdec_rt/data/reference/{rel}" in names, rel
+    assert not [n for n in names if "training_log" in n]
+    assert wheel.stat().st_size < 40 * 1024 * 1024
 
 
 def test_export_validates(ref_bundle):

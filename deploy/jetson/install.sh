@@ -23,7 +23,7 @@ PIP="$VENV/bin/python -m pip"
 $PIP install --upgrade pip
 # The Jetson onnxruntime-gpu first; --no-deps everywhere after so nothing replaces it.
 $PIP install "$ORT_WHL"
-$PIP install "numpy>=1.24,<2" "tokenizers>=0.19" "cuda-python>=12,<13"
+$PIP install "numpy>=1.24,<2" "tokenizers>=0.19" "jinja2>=3.1.6" "cuda-python>=12,<13"
 $PIP install --no-deps "$SPECDEC_WHL"
 
 "$VENV/bin/python" - <<'PY'

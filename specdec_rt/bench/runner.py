@@ -135,7 +135,9 @@ def run_bench(cfg: BenchConfig) -> dict:
         from tqdm import tqdm
 
         bar = tqdm(total=total, desc="bench", unit="run")
-    kwargs = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, ignore_eos=True)
+    # sampling stated in full: the bundle's generation_config defaults must not change a benchmark
+    kwargs = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=0, top_p=1.0,
+                  ignore_eos=True)
     for spec in specs:  # warm-up: one short run of each configuration
         gen.generate_ids(prompts[0], **{**kwargs, "max_new_tokens": 8}, drafter=spec.drafter,
                          num_draft_tokens=spec.k, speculation=spec.speculation, seed=cfg.seed)

@@ -18,9 +18,11 @@ def draft_tokens_arg(value: str) -> int | str:
 def add_generation_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("generation")
     g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    g.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy; > 0 samples (default: the bundle's generation_config.json, "
+                        "greedy when it has none or does not set do_sample)")
+    g.add_argument("--top-k", type=int, default=None, help="0 = off (default: the bundle's)")
+    g.add_argument("--top-p", type=float, default=None, help="1 = off (default: the bundle's)")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--num-draft-tokens", "-k", type=draft_tokens_arg, default=4,
                    help="draft length K, or 'auto' (cost-model policy)")
@@ -42,7 +44,7 @@ def generation_kwargs(args) -> dict:
 
 def fail(fn: Callable[[], int]) -> int:
     """Run ``fn``; print expected errors as one line instead of a traceback."""
-    from specdec_rt.runtime.errors import USER_ERRORS
+    from specdec_rt.errors import USER_ERRORS
 
     try:
         return fn()

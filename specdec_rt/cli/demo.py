@@ -8,14 +8,26 @@ from pathlib import Path
 
 
 def reference_dir() -> Path:
-    """models/reference of the source tree (the pair ships with the repository)."""
+    """The shipped reference pair: package data of specdec_rt (``specdec_rt/data/reference``).
+
+    Found through ``importlib.resources``, so it works from any directory after a plain
+    ``pip install`` (not only in a clone). The exporter needs real files: a package imported from
+    a zip archive is refused with a clear message.
+    """
+    from importlib.resources import files
+
     import specdec_rt
 
-    for base in (Path(specdec_rt.__file__).resolve().parents[1], Path.cwd()):
-        cand = base / "models" / "reference"
-        if (cand / "target" / "config.json").is_file():
+    res = files("specdec_rt").joinpath("data").joinpath("reference")
+    # a plain install gives a Path; other loaders (e.g. some editable modes) fall back to the module's folder
+    candidates = [res] if isinstance(res, Path) else []
+    candidates.append(Path(specdec_rt.__file__).resolve().parent / "data" / "reference")
+    for cand in candidates:
+        if (cand / "target" / "config.json").is_file() and (cand / "draft" / "model.safetensors").is_file():
             return cand
-    raise FileNotFoundError("models/reference not found: run --demo from a clone of the specdec-rt repository")
+    raise FileNotFoundError(
+        f"the reference pair is not installed ({res} has no target/ and draft/ checkpoints; a package "
+        "imported from an archive cannot be exported from); reinstall specdec-rt with pip")
 
 
 def reference_prompts(ref: Path | None = None) -> list[dict]:
@@ -44,19 +56,19 @@ def run_demo(bundle_dir: Path, args) -> int:
     k = args.num_draft_tokens
     n = args.max_new_tokens
     ids = gen.tokenizer.encode(prompt)
-    gen.generate_ids(ids, max_new_tokens=8, drafter=None)  # warm up both sessions
-    gen.generate_ids(ids, max_new_tokens=8, num_draft_tokens=4)
+    gen.generate_ids(ids, max_new_tokens=8, drafter=None, temperature=0.0)  # warm up both sessions
+    gen.generate_ids(ids, max_new_tokens=8, num_draft_tokens=4, temperature=0.0)
 
     base_t, spec_t = [], []
     base_ids = spec_ids = None
     spec_stats = None
     for _ in range(3):  # interleaved, so drift on a shared machine hits both alike
         t = time.perf_counter()
-        base_ids = gen.generate_ids(ids, max_new_tokens=n, drafter=None, ignore_eos=True)
+        base_ids = gen.generate_ids(ids, max_new_tokens=n, drafter=None, ignore_eos=True, temperature=0.0)
         base_t.append(time.perf_counter() - t)
         t = time.perf_counter()
         spec_ids = gen.generate_ids(ids, max_new_tokens=n, num_draft_tokens=k, drafter="model",
-                                    ignore_eos=True)
+                                    ignore_eos=True, temperature=0.0)
         spec_t.append(time.perf_counter() - t)
         spec_stats = gen.last_stats
     b, s = statistics.median(base_t), statistics.median(spec_t)

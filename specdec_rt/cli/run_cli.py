@@ -25,7 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: the bundle's context, at most 4096)")
     ap.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     ap.add_argument("--stream", action="store_true", help="print text as it is committed")
-    ap.add_argument("--chat", action="store_true", help="read prompts from stdin line by line")
+    ap.add_argument("--chat", action="store_true",
+                    help="conversation on stdin: each line is a user turn, rendered with the bundle's chat "
+                         "template together with the history (bundles without one: each line is a plain prompt)")
+    ap.add_argument("--system", default=None, help="system prompt for --chat")
     ap.add_argument("--demo", action="store_true",
                     help="export the shipped reference pair, generate speculatively and print the "
                          "speedup over target-only decoding measured in the same run")
@@ -43,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.bundle:
         print("specdec-run: --bundle is required (or use --demo)", file=sys.stderr)
         return 2
+    if args.system is not None and not args.chat:
+        print("specdec-run: --system needs --chat", file=sys.stderr)
+        return 2
     return fail(lambda: _run(args))
 
 
@@ -53,14 +59,7 @@ def _run(args) -> int:
                           threads=args.threads, shared_thread_pool=True, max_context=args.max_context)
     kwargs = generation_kwargs(args)
     if args.chat:
-        for line in sys.stdin:
-            line = line.rstrip("\n")
-            if not line:
-                continue
-            for piece in gen.stream(line, **kwargs):
-                print(piece, end="", flush=True)
-            print()
-        return 0
+        return _chat(gen, args, kwargs)
     prompt = args.prompt
     if args.prompt_file:
         prompt = Path(args.prompt_file).read_text()
@@ -84,6 +83,50 @@ def _run(args) -> int:
         print(result.text)
         _print_stats(result.stats, sys.stderr)
     return 0
+
+
+def _chat(gen, args, kwargs) -> int:
+    """One user turn per stdin line; the history (with the assistant's replies) is re-rendered
+    with the chat template every turn. A turn that fails (e.g. the conversation no longer fits
+    the context) is reported on stderr and dropped; the exit status is then 1."""
+    from specdec_rt.errors import USER_ERRORS
+    from specdec_rt.runtime.generator import GenerationResult
+    from specdec_rt.runtime.stats import GenerationStats
+
+    templated = gen.chat_template is not None
+    if not templated:
+        print("specdec-run: this bundle has no chat template; each line is completed as a plain prompt "
+              "(no history)", file=sys.stderr)
+    history: list[dict] = [] if args.system is None else [{"role": "system", "content": args.system}]
+    status = 0
+    for line in sys.stdin:
+        line = line.rstrip("\r\n")
+        if not line:
+            continue
+        result = GenerationResult("", [], GenerationStats())
+        if templated:
+            history.append({"role": "user", "content": line})
+            pieces = gen.chat_stream(history, result=result, **kwargs)
+        else:
+            pieces = gen.stream(line, result=result, **kwargs)
+        try:
+            if args.json:
+                for _ in pieces:
+                    pass
+                print(json.dumps(result.to_dict()), flush=True)
+            else:
+                for piece in pieces:
+                    print(piece, end="", flush=True)
+                print(flush=True)
+        except USER_ERRORS as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            if templated:
+                history.pop()
+            status = 1
+            continue
+        if templated:
+            history.append({"role": "assistant", "content": result.text})
+    return status
 
 
 def _print_stats(stats, stream) -> None:

@@ -11,6 +11,8 @@ from typing import Callable
 
 import numpy as np
 
+from specdec_rt.errors import UnsupportedArchitectureError  # noqa: F401 - defined there, re-exported here
+
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite",
                       "phi3", "smollm3", "olmo2", "starcoder2", "gpt2", "gpt_neox")
 
@@ -19,10 +21,6 @@ SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "
 # max_position_embeddings, which caps the exported context.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-class UnsupportedArchitectureError(ValueError):
-    """The checkpoint's ``model_type`` has no extractor, or it uses a switch the exporter lacks."""
 
 
 @dataclass

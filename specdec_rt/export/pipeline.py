@@ -10,16 +10,13 @@ from pathlib import Path
 
 import numpy as np
 
+from specdec_rt.errors import ExportError  # noqa: F401 - defined there, re-exported here
 from specdec_rt.export.arch import ArchSpec, UnsupportedArchitectureError, extract
 from specdec_rt.export.graph import GraphOptions, build_model, save_model
 from specdec_rt.runtime.bundle import (CONTRACT_VERSION, FORMAT_NAME, FORMAT_VERSION, MANIFEST,
                                        sha256_file)
 
 DEFAULT_MAX_CONTEXT = 4096
-
-
-class ExportError(ValueError):
-    """A checkpoint cannot be exported; the message says why."""
 
 
 @dataclass
@@ -155,6 +152,122 @@ def compare_vocabularies(target_tok, draft_tok) -> None:
         k = moved[0]
         parts.append(f"{len(moved)} with different ids (e.g. {k!r}: target {tv[k]}, draft {dv[k]})")
     raise ExportError("draft and target vocabularies do not match: " + "; ".join(parts))
+
+
+SPECIAL_TOKEN_ATTRIBUTES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                            "mask_token")
+
+
+def _token_string(value) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):  # a serialized AddedToken
+        return value["content"]
+    return None
+
+
+def read_chat_files(path: Path) -> tuple[str | dict[str, str] | None, dict[str, str]]:
+    """Chat template(s) and special-token strings read from the tokenizer's files.
+
+    Same precedence as transformers' ``from_pretrained``: ``chat_template.jinja`` (and
+    ``additional_chat_templates/*.jinja``) over ``tokenizer_config.json``'s ``chat_template``,
+    which may be a string or a list of ``{"name", "template"}``.
+    """
+    cfg: dict = {}
+    tc = path / "tokenizer_config.json"
+    if tc.is_file():
+        try:
+            cfg = json.loads(tc.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ExportError(f"{tc} is not valid JSON ({exc})") from None
+    named: dict[str, str] = {}
+    if (path / "chat_template.jinja").is_file():
+        named["default"] = (path / "chat_template.jinja").read_bytes().decode("utf-8")
+    extra = path / "additional_chat_templates"
+    if extra.is_dir():
+        for f in sorted(extra.glob("*.jinja")):
+            named[f.name.removesuffix(".jinja")] = f.read_bytes().decode("utf-8")
+    template: str | dict[str, str] | None
+    if list(named) == ["default"]:
+        template = named["default"]
+    elif named:
+        template = named
+    else:
+        raw = cfg.get("chat_template")
+        if isinstance(raw, (list, tuple)):
+            template = {t["name"]: t["template"] for t in raw}
+        else:
+            template = raw if isinstance(raw, str) else None
+    special: dict[str, str] = {}
+    stm = path / "special_tokens_map.json"
+    legacy = json.loads(stm.read_text(encoding="utf-8")) if stm.is_file() else {}
+    for attr in SPECIAL_TOKEN_ATTRIBUTES:
+        value = _token_string(cfg.get(attr))
+        if value is None:
+            value = _token_string(legacy.get(attr))
+        if value is not None:
+            special[attr] = value
+    return template, special
+
+
+def chat_assets(path: Path) -> tuple[str | dict[str, str] | None, dict[str, str]]:
+    """The checkpoint's chat template(s) and special-token strings as transformers loads them.
+
+    The tokenizer is loaded with transformers (``tokenizer.chat_template`` and
+    ``tokenizer.special_tokens_map``, exactly what ``apply_chat_template`` renders with); if that
+    fails, the files are read directly (:func:`read_chat_files`).
+    """
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(path))
+        template = tok.chat_template
+        special = {k: v for k, v in tok.special_tokens_map.items() if isinstance(v, (str, list))}
+    except Exception:  # noqa: BLE001 - an unusual tokenizer class: fall back to the files
+        return read_chat_files(path)
+    if isinstance(template, dict):
+        template = dict(template)
+    return template, special
+
+
+def write_chat_assets(ckpt: Path, out: Path) -> tuple[dict, str | None, list[str]]:
+    """Write the target's chat template(s) and generation config into the bundle.
+
+    Returns the manifest's ``chat`` entry, its ``generation_config`` entry and the files written.
+    """
+    import re
+
+    template, special = chat_assets(ckpt)
+    files: list[str] = []
+    chat: dict = {"special_tokens": special}
+    if isinstance(template, str):
+        (out / "chat_template.jinja").write_bytes(template.encode("utf-8"))
+        chat["template"] = "chat_template.jinja"
+        files.append("chat_template.jinja")
+    elif isinstance(template, dict) and template:
+        (out / "chat_templates").mkdir()
+        chat["template"] = {}
+        for name, source in template.items():
+            stem = re.sub(r"[^A-Za-z0-9_.-]", "_", str(name)).lstrip(".") or "template"
+            rel = f"chat_templates/{stem}.jinja"
+            n = 1
+            while rel in files:
+                n += 1
+                rel = f"chat_templates/{stem}-{n}.jinja"
+            (out / rel).write_bytes(str(source).encode("utf-8"))
+            chat["template"][str(name)] = rel
+            files.append(rel)
+    gen_config = None
+    src = ckpt / "generation_config.json"
+    if src.is_file():
+        try:
+            json.loads(src.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ExportError(f"{src} is not valid JSON ({exc})") from None
+        shutil.copyfile(src, out / "generation_config.json")
+        gen_config = "generation_config.json"
+        files.append(gen_config)
+    return chat, gen_config, files
 
 
 def _eos_ids(path: Path, config_eos) -> list[int]:
@@ -297,9 +410,12 @@ def export_pair(target: str | os.PathLike, draft: str | os.PathLike | None, out:
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in ("target", "draft"):
+    for stale in ("target", "draft", "chat_templates"):
         if (out / stale).is_dir():
             shutil.rmtree(out / stale)
+    for stale in ("chat_template.jinja", "generation_config.json"):
+        if (out / stale).is_file():
+            (out / stale).unlink()
     roles = [("target", t_ckpt)] + ([("draft", d_ckpt)] if d_ckpt is not None else [])
     stages = _Stages(4 * len(roles) + 1, options.progress)
     t0 = time.perf_counter()
@@ -322,7 +438,8 @@ def export_pair(target: str | os.PathLike, draft: str | os.PathLike | None, out:
             )
     max_context = min(em.spec.max_positions for em in exported.values())
     t_tok.save(str(out / "tokenizer.json"))
-    files = ["tokenizer.json"] + [f for em in exported.values() for f in em.files]
+    chat, gen_config, chat_files = write_chat_assets(t_ckpt, out)
+    files = ["tokenizer.json"] + chat_files + [f for em in exported.values() for f in em.files]
     manifest = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -336,6 +453,8 @@ def export_pair(target: str | os.PathLike, draft: str | os.PathLike | None, out:
             "bos_token_id": target_spec.bos_token_id,
             "pad_token_id": target_spec.pad_token_id,
         },
+        "chat": chat,
+        "generation_config": gen_config,
         "models": {role: em.info for role, em in exported.items()},
         "export_seconds": round(time.perf_counter() - t0, 2),
         "stage_seconds": stages.times,

@@ -12,14 +12,11 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from specdec_rt.errors import ValidationError  # noqa: F401 - defined there, re-exported here
 from specdec_rt.export.arch import ArchSpec
 
 # parents of a small token tree: node 0 is the root; depth = distance to the root
 TREE_PARENTS = [-1, 0, 0, 1, 1, 2, 3]
-
-
-class ValidationError(RuntimeError):
-    """The exported graph disagrees with PyTorch beyond tolerance."""
 
 
 @dataclass

@@ -14,14 +14,12 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specdec_rt.errors import BundleError  # noqa: F401 - defined there, re-exported here
+
 FORMAT_NAME = "specdec-rt-bundle"
 FORMAT_VERSION = 1
 CONTRACT_VERSION = 1
 MANIFEST = "manifest.json"
-
-
-class BundleError(ValueError):
-    """The bundle is missing, corrupt, tampered with or inconsistent."""
 
 
 @dataclass
@@ -67,6 +65,12 @@ class Bundle:
     eos_token_ids: list[int]
     bos_token_id: int | None
     pad_token_id: int | None
+    # chat: the target tokenizer's template (one string, or {name: template}), the special-token
+    # strings templates refer to (bos_token, eos_token, ...), and generation_config.json as a dict.
+    # All None / empty for bundles exported before they were recorded.
+    chat_template: str | dict[str, str] | None = None
+    special_token_strings: dict = field(default_factory=dict)
+    generation_config: dict | None = None
 
     @property
     def tokenizer_path(self) -> Path:
@@ -231,9 +235,45 @@ def load_bundle(path: str | os.PathLike, verify_checksums: bool = True) -> Bundl
     if not tok or tok not in files:
         raise BundleError(f"{mpath}: tokenizer file missing from the manifest")
     special = manifest.get("special_tokens", {})
+    chat = manifest.get("chat") or {}
+    if not isinstance(chat, dict):
+        raise BundleError(f"{mpath}: 'chat' must be an object")
+    template = chat.get("template")
+    if isinstance(template, str):
+        chat_template = _read_text(root, files, template, "chat template")
+    elif isinstance(template, dict):
+        chat_template = {str(name): _read_text(root, files, rel, f"chat template '{name}'")
+                         for name, rel in template.items()}
+    elif template is None:
+        chat_template = None
+    else:
+        raise BundleError(f"{mpath}: chat.template must be a file name or an object of them")
+    strings = chat.get("special_tokens", {})
+    if not isinstance(strings, dict):
+        raise BundleError(f"{mpath}: chat.special_tokens must be an object")
+    gen_config = None
+    if manifest.get("generation_config"):
+        text = _read_text(root, files, manifest["generation_config"], "generation config")
+        try:
+            gen_config = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise BundleError(f"{manifest['generation_config']} is not valid JSON: {exc}") from None
+        if not isinstance(gen_config, dict):
+            raise BundleError(f"{manifest['generation_config']} must hold a JSON object")
     return Bundle(
         root=root, manifest=manifest, target=target, draft=draft,
         max_context=int(manifest["max_context"]),
         eos_token_ids=list(special.get("eos_token_ids", [])),
         bos_token_id=special.get("bos_token_id"), pad_token_id=special.get("pad_token_id"),
+        chat_template=chat_template, special_token_strings=dict(strings), generation_config=gen_config,
     )
+
+
+def _read_text(root: Path, files: dict[str, str], rel: object, what: str) -> str:
+    """A small text file of the bundle; it must be covered by the manifest's checksums."""
+    if not isinstance(rel, str) or rel not in files:
+        raise BundleError(f"{what} file {rel!r} is not covered by the manifest's checksums")
+    try:
+        return (root / rel).read_bytes().decode("utf-8")  # bytes as written: no newline translation
+    except UnicodeDecodeError as exc:
+        raise BundleError(f"bundle file '{rel}' is not UTF-8 text: {exc}") from None

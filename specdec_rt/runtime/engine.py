@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from specdec_rt.errors import ContextOverflowError  # noqa: F401 - defined there, re-exported here
 from specdec_rt.runtime.bundle import ModelInfo
 from specdec_rt.runtime.kv_cache import CudaKVCache, KVCache
 from specdec_rt.runtime.providers import device_of, resolve_provider
@@ -23,10 +24,6 @@ NEG_INF = np.float32(-np.inf)
 # Long inputs (prompts) run in chunks of this many tokens: the graph returns logits for every
 # row, and a 4k-token prompt over a 152k vocabulary would otherwise need a 2.5 GB logits tensor.
 PREFILL_CHUNK = 256
-
-
-class ContextOverflowError(ValueError):
-    """The sequence would not fit in the model's context."""
 
 
 _GLOBAL_POOL: int | None = None  # intra-op size of the process-wide pool, once created

@@ -1,24 +1,11 @@
-"""The user-facing error types, gathered so command-line tools report them as one line."""
+"""The user-facing error types (old import path; they live in :mod:`specdec_rt.errors`).
+
+Kept so ``from specdec_rt.runtime.errors import USER_ERRORS`` keeps working. Nothing here imports
+``specdec_rt.export``: the export errors are defined below both halves of the package.
+"""
 from __future__ import annotations
 
-from specdec_rt.runtime.bundle import BundleError
-from specdec_rt.runtime.engine import ContextOverflowError
-from specdec_rt.runtime.generator import GenerationInputError
-from specdec_rt.runtime.providers import BackendUnavailableError
-from specdec_rt.runtime.sampling import SamplingParamsError
-
-
-def _export_errors() -> tuple[type[BaseException], ...]:
-    try:  # the export extra may be absent on a deployment machine
-        from specdec_rt.export.arch import UnsupportedArchitectureError
-        from specdec_rt.export.pipeline import ExportError
-        from specdec_rt.export.validate import ValidationError
-    except ImportError:
-        return ()
-    return (ExportError, UnsupportedArchitectureError, ValidationError)
-
-
-USER_ERRORS: tuple[type[BaseException], ...] = (
-    BundleError, ContextOverflowError, GenerationInputError, BackendUnavailableError,
-    SamplingParamsError, FileNotFoundError,
-) + _export_errors()
+from specdec_rt.errors import (USER_ERRORS, BackendUnavailableError, BundleError,  # noqa: F401
+                               ChatTemplateError, ContextOverflowError, ExportError,
+                               GenerationInputError, SamplingParamsError,
+                               UnsupportedArchitectureError, ValidationError)

@@ -1,15 +1,20 @@
-"""The public Python API: ``load(bundle)`` -> :class:`Generator` with ``generate`` and ``stream``."""
+"""The public Python API: ``load(bundle)`` -> :class:`Generator` with ``generate``, ``stream``,
+``chat`` and ``chat_stream``."""
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import numpy as np
 
+from specdec_rt.errors import ChatTemplateError, GenerationInputError  # noqa: F401 - re-exported here
 from specdec_rt.runtime.bundle import Bundle, BundleError, load_bundle
+from specdec_rt.runtime.chat import NO_TEMPLATE, ChatTemplate
 from specdec_rt.runtime.drafters import Drafter, ModelDrafter, PromptLookupDrafter
 from specdec_rt.runtime.engine import ContextOverflowError, make_engine, probe_row_invariance
+from specdec_rt.runtime.gen_config import GenerationDefaults
 from specdec_rt.runtime.memory import peak_rss_bytes, reset_peak_rss
 from specdec_rt.runtime.sampling import SamplingParams, SamplingParamsError
 from specdec_rt.runtime.speculative import LoopConfig, run_chain
@@ -17,10 +22,6 @@ from specdec_rt.runtime.stats import GenerationStats
 from specdec_rt.runtime.tokenizer import IncrementalDecoder, TextTokenizer
 
 DRAFTERS = ("model", "prompt_lookup")
-
-
-class GenerationInputError(ValueError):
-    """The prompt or a generation argument is invalid."""
 
 
 @dataclass
@@ -78,6 +79,14 @@ class Generator:
         self.eos_token_ids = tuple(bundle.eos_token_ids)
         if probe_rows and hasattr(self.target, "min_rows"):
             probe_row_invariance(self.target)  # exactness: pads 1-row calls where kernels differ
+        self.chat_template = (ChatTemplate(bundle.chat_template, bundle.special_token_strings)
+                              if bundle.chat_template is not None else None)
+        self.generation_defaults = GenerationDefaults.from_config(bundle.generation_config)
+        if self.generation_defaults.ignored:
+            warnings.warn(
+                f"{bundle.root}: generation_config.json sets {', '.join(self.generation_defaults.ignored)}, "
+                "which specdec-rt does not apply (it applies temperature, top_k, top_p, do_sample and "
+                "the EOS ids)", stacklevel=3)
 
     # -- argument checks ----------------------------------------------------------------------
     def _prompt_ids(self, prompt: str | Sequence[int] | np.ndarray) -> list[int]:
@@ -117,17 +126,15 @@ class Generator:
             return PromptLookupDrafter()
         raise GenerationInputError(f"unknown drafter '{drafter}'; choose one of {DRAFTERS} or None")
 
-    def _loop(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_k: int,
-              top_p: float, seed: int | None, num_draft_tokens: int | str, drafter: str | None,
-              speculation: str, do_sample: bool | None, ignore_eos: bool,
+    def _loop(self, prompt_ids: list[int], max_new_tokens: int, temperature: float | None,
+              top_k: int | None, top_p: float | None, seed: int | None, num_draft_tokens: int | str,
+              drafter: str | None, speculation: str, do_sample: bool | None, ignore_eos: bool,
               stats: GenerationStats, tree_shape=None) -> Iterator[list[int]]:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
             raise GenerationInputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if do_sample is False:
-            temperature = 0.0
+        temperature, top_k, top_p = self.generation_defaults.resolve(temperature, top_k, top_p, do_sample)
+        SamplingParams(temperature, top_k, top_p)  # validates before converting
         params = SamplingParams(float(temperature), int(top_k), float(top_p))
-        if do_sample and params.greedy:
-            raise SamplingParamsError("do_sample=True needs temperature > 0")
         policy = None
         if num_draft_tokens == "auto" and speculation == "chain":
             from specdec_rt.runtime.policy import make_policy
@@ -172,13 +179,18 @@ class Generator:
             stats.draft_calls = getattr(d, "calls", 0)
 
     # -- public API -------------------------------------------------------------------------
-    def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float = 0.0,
-               top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+    def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float | None = None,
+               top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                num_draft_tokens: int | str = 4, drafter: str | None = "model",
                speculation: str = "chain", stop: Sequence[str] | str | None = None,
                do_sample: bool | None = None, ignore_eos: bool = False,
                result: GenerationResult | None = None, tree_shape=None) -> Iterator[str]:
-        """Yield text pieces as tokens are committed. Pass ``result`` to collect ids and stats."""
+        """Yield text pieces as tokens are committed. Pass ``result`` to collect ids and stats.
+
+        ``temperature`` / ``top_k`` / ``top_p`` / ``do_sample`` left as ``None`` take the bundle's
+        defaults (:attr:`generation_defaults`, from its ``generation_config.json``; greedy when it
+        has none). Explicit values win; ``temperature=0`` or ``do_sample=False`` is greedy.
+        """
         prompt_ids = self._prompt_ids(prompt)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         stats = GenerationStats()
@@ -210,6 +222,15 @@ class Generator:
                 res.text += piece
                 yield piece
         else:
+            tail = decoder.flush()
+            if stops:
+                held += tail
+                cut = min((held.find(s) for s in stops if s in held), default=-1)
+                if cut >= 0:
+                    held, finish = held[:cut], "stop"
+            elif tail:
+                res.text += tail
+                yield tail
             if held:
                 res.text += held
                 yield held
@@ -218,16 +239,18 @@ class Generator:
                 finish = "context"
         res.finish_reason = finish
 
-    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  num_draft_tokens: int | str = 4, drafter: str | None = "model",
                  speculation: str = "chain", stop: Sequence[str] | str | None = None,
                  do_sample: bool | None = None, ignore_eos: bool = False,
                  tree_shape=None) -> GenerationResult:
-        """Generate a completion. Greedy when ``temperature == 0`` (the default).
+        """Generate a completion of a plain prompt (text or token ids).
 
-        With ``speculation="tree"``, ``num_draft_tokens`` is the tree's node budget (default
-        shape from :meth:`TreeShape.for_budget`; pass ``tree_shape`` to override it).
+        Sampling arguments left as ``None`` take the bundle's defaults (greedy unless its
+        ``generation_config.json`` sets ``do_sample``); ``temperature=0`` forces greedy. With
+        ``speculation="tree"``, ``num_draft_tokens`` is the tree's node budget (default shape from
+        :meth:`TreeShape.for_budget`; pass ``tree_shape`` to override it).
         """
         result = GenerationResult("", [], GenerationStats())
         for _ in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, num_draft_tokens,
@@ -241,9 +264,12 @@ class Generator:
         """Token ids only, skipping detokenization (benchmarks, exactness tests)."""
         stats = GenerationStats()
         out: list[int] = []
-        args = dict(max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, seed=None,
+        args = dict(max_new_tokens=128, temperature=None, top_k=None, top_p=None, seed=None,
                     num_draft_tokens=4, drafter="model", speculation="chain", do_sample=None,
                     ignore_eos=False, tree_shape=None)
+        unknown = sorted(set(kwargs) - set(args))
+        if unknown:
+            raise TypeError(f"generate_ids() got unexpected keyword argument(s): {', '.join(unknown)}")
         args.update(kwargs)
         for new in self._loop(self._prompt_ids(prompt_ids), args["max_new_tokens"], args["temperature"],
                               args["top_k"], args["top_p"], args["seed"], args["num_draft_tokens"],
@@ -252,6 +278,54 @@ class Generator:
             out.extend(new)
         self.last_stats = stats
         return out
+
+    # -- chat ---------------------------------------------------------------------------------
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                            tokenize: bool = False, chat_template: str | None = None,
+                            tools: list[dict] | None = None, **template_kwargs) -> str | list[int]:
+        """Render a conversation with the bundle's chat template (transformers' semantics).
+
+        ``tokenize=True`` returns the token ids, encoded without the tokenizer's post-processor
+        (as transformers does: a template that writes ``bos_token`` gets exactly one BOS).
+        ``chat_template``: the name of one of the bundle's templates, or a template string.
+        Extra keyword arguments are template variables (e.g. ``enable_thinking=False``).
+        """
+        if self.chat_template is None:
+            raise ChatTemplateError(NO_TEMPLATE)
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt,
+                                         chat_template=chat_template, tools=tools, **template_kwargs)
+        return self.tokenizer.encode(text, add_special_tokens=False) if tokenize else text
+
+    def _chat_ids(self, messages, chat_template, tools, template_kwargs) -> list[int]:
+        ids = self.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                       chat_template=chat_template, tools=tools, **(template_kwargs or {}))
+        if not ids:
+            raise ChatTemplateError("the chat template rendered this conversation as empty text")
+        return ids
+
+    def chat_stream(self, messages: Sequence[dict], max_new_tokens: int = 128, *,
+                    chat_template: str | None = None, tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None, result: GenerationResult | None = None,
+                    **kwargs) -> Iterator[str]:
+        """:meth:`chat`, yielding the reply's text as tokens are committed (``result`` collects
+        ids and stats). Keyword arguments are those of :meth:`stream`."""
+        ids = self._chat_ids(messages, chat_template, tools, template_kwargs)
+        yield from self.stream(ids, max_new_tokens, result=result, **kwargs)
+
+    def chat(self, messages: Sequence[dict], max_new_tokens: int = 128, *,
+             chat_template: str | None = None, tools: list[dict] | None = None,
+             template_kwargs: dict | None = None, **kwargs) -> GenerationResult:
+        """The assistant's next reply to ``messages`` (a list of ``{"role", "content"}`` dicts).
+
+        The conversation is rendered with the bundle's chat template and
+        ``add_generation_prompt=True``; generation stops at any of the bundle's EOS ids (e.g.
+        ``<|im_end|>`` / ``<|eot_id|>`` from ``generation_config.json``). Keyword arguments are
+        those of :meth:`generate` (sampling defaults from the bundle likewise). To continue the
+        conversation, append ``{"role": "assistant", "content": result.text}`` and the next user
+        turn.
+        """
+        ids = self._chat_ids(messages, chat_template, tools, template_kwargs)
+        return self.generate(ids, max_new_tokens, **kwargs)
 
 
 def load(bundle: str | os.PathLike, provider: str = "cpu", draft_provider: str | None = None,

@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import onnxruntime as ort
 
-
-class BackendUnavailableError(RuntimeError):
-    """The requested backend is not present on this machine."""
+from specdec_rt.errors import BackendUnavailableError  # noqa: F401 - defined there, re-exported here
 
 
 _ALIASES = {

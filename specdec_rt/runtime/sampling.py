@@ -11,9 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-
-class SamplingParamsError(ValueError):
-    """Invalid temperature / top_k / top_p."""
+from specdec_rt.errors import SamplingParamsError  # noqa: F401 - defined there, re-exported here
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,10 @@ class TextTokenizer:
         self.tok = Tokenizer.from_file(str(path))
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``add_special_tokens=False`` skips the post-processor (e.g. an automatic BOS): chat
+        templates write their special tokens themselves."""
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -41,3 +43,11 @@ class IncrementalDecoder:
         piece = full[len(prefix_text):]
         self.prefix, self.read = self.read, len(self.ids)
         return piece
+
+    def flush(self) -> str:
+        """At the end of generation: the text still held back (an incomplete character decodes
+        to U+FFFD, as a full decode gives it), so the pieces add up to ``decode(ids)``."""
+        prefix_text = self.tok.decode(self.ids[self.prefix:self.read])
+        full = self.tok.decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return full[len(prefix_text):] if len(full) > len(prefix_text) else ""

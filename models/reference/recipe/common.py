@@ -6,7 +6,9 @@ import sysconfig
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REF = os.path.dirname(HERE)                      # models/reference
+REF = os.path.dirname(HERE)                      # models/reference (model card, results, .cache)
+# the checkpoints and the prompts ship inside the package (specdec-run --demo finds them there)
+PAIR = os.path.join(os.path.dirname(os.path.dirname(REF)), "specdec_rt", "data", "reference")
 CACHE = os.path.join(REF, ".cache")              # git-ignored
 TOKENIZER_DIR = os.path.join(CACHE, "tokenizer")
 EOT = "<|endoftext|>"

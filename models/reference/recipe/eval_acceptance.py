@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common import EOT_ID, REF, SEQ_LEN, token_streams
+from common import EOT_ID, PAIR, REF, SEQ_LEN, token_streams
 
 
 @torch.no_grad()
@@ -61,9 +61,9 @@ def stream_metrics(target, draft, stream, batch=8):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--target", default=os.path.join(REF, "target"))
-    ap.add_argument("--draft", default=os.path.join(REF, "draft"))
-    ap.add_argument("--prompts", default=os.path.join(REF, "eval_prompts.jsonl"))
+    ap.add_argument("--target", default=os.path.join(PAIR, "target"))
+    ap.add_argument("--draft", default=os.path.join(PAIR, "draft"))
+    ap.add_argument("--prompts", default=os.path.join(PAIR, "eval_prompts.jsonl"))
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--K", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--no-bos", action="store_true", help="do not prepend <|endoftext|> to prompts")

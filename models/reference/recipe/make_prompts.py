@@ -4,7 +4,7 @@ import json
 import os
 import re
 
-from common import HELDOUT, REF, list_files, read_text
+from common import HELDOUT, PAIR, list_files, read_text
 
 PER_FILE = {"textwrap.py": 2, "shlex.py": 2}   # others: 1  -> 10 prompts
 
@@ -41,7 +41,7 @@ def _collect(lines, need_doc):
 def main():
     _, held = list_files()
     paths = dict(held)
-    with open(os.path.join(REF, "eval_prompts.jsonl"), "w") as fh:
+    with open(os.path.join(PAIR, "eval_prompts.jsonl"), "w") as fh:
         for f in HELDOUT:
             for p in chunks(read_text(paths[f]), PER_FILE.get(f, 1)):
                 fh.write(json.dumps({"file": f, "prompt": p}) + "\n")

@@ -1,7 +1,7 @@
 """Train the reference target (next-token LM) and draft (distilled from the target).
 
-  python train.py target --steps N     -> models/reference/target/
-  python train.py draft  --steps N     -> models/reference/draft/  (needs target/)
+  python train.py target --steps N     -> specdec_rt/data/reference/target/
+  python train.py draft  --steps N     -> specdec_rt/data/reference/draft/  (needs target/)
   python train.py bench                -> time per step for both, to size --steps
 """
 import argparse
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common import (DRAFT_SHAPE, EOT_ID, REF, SEQ_LEN, TARGET_SHAPE, TOKENIZER_DIR,
+from common import (DRAFT_SHAPE, EOT_ID, PAIR, SEQ_LEN, TARGET_SHAPE, TOKENIZER_DIR,
                     llama_config, seed_all, token_streams)
 
 DEFAULTS = {
@@ -114,7 +114,7 @@ def train(kind, args):
     teacher = None
     if kind == "draft":
         from transformers import LlamaForCausalLM
-        teacher = LlamaForCausalLM.from_pretrained(args.teacher or os.path.join(REF, "target"),
+        teacher = LlamaForCausalLM.from_pretrained(args.teacher or os.path.join(PAIR, "target"),
                                                    dtype=torch.float32).eval()
         for p in teacher.parameters():
             p.requires_grad_(False)
@@ -166,7 +166,7 @@ def train(kind, args):
     if teacher is not None:
         meta["final_train_agree_last20"] = round(sum(r["agree"] for r in last) / len(last), 4)
     print(json.dumps({k: v for k, v in meta.items() if k != "log"}), flush=True)
-    save(model, args.out or os.path.join(REF, kind), meta)
+    save(model, args.out or os.path.join(PAIR, kind), meta)
 
 
 def bench(args):
@@ -205,9 +205,9 @@ def main():
     ap.add_argument("--ce_weight", type=float, default=0.0, help="draft: weight of data CE")
     ap.add_argument("--no-bf16", dest="bf16", action="store_false",
                     help="disable CPU bf16 autocast (weights/optimizer stay fp32 either way)")
-    ap.add_argument("--out", help="output folder (default models/reference/<kind>)")
+    ap.add_argument("--out", help="output folder (default specdec_rt/data/reference/<kind>)")
     ap.add_argument("--init", help="start from this checkpoint folder instead of random weights")
-    ap.add_argument("--teacher", help="draft: teacher folder (default models/reference/target)")
+    ap.add_argument("--teacher", help="draft: teacher folder (default specdec_rt/data/reference/target)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

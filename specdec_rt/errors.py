@@ -1,0 +1,58 @@
+"""Every user-facing error type of specdec-rt, below both halves of the package.
+
+This module imports nothing from ``specdec_rt.runtime`` or ``specdec_rt.export`` (nor anything
+outside the standard library), so the runtime can name export errors and the command-line tools
+can catch every expected error without the runtime ever importing the export package (which
+needs torch). The old import paths (``specdec_rt.runtime.bundle.BundleError``,
+``specdec_rt.export.pipeline.ExportError``, ...) re-export these same classes.
+"""
+from __future__ import annotations
+
+
+class BundleError(ValueError):
+    """The bundle is missing, corrupt, tampered with or inconsistent."""
+
+
+class ContextOverflowError(ValueError):
+    """The sequence would not fit in the model's context."""
+
+
+class GenerationInputError(ValueError):
+    """The prompt or a generation argument is invalid."""
+
+
+class ChatTemplateError(GenerationInputError):
+    """Chat messages are malformed, the bundle has no chat template, or the template refused them."""
+
+
+class SamplingParamsError(ValueError):
+    """temperature / top_k / top_p out of range."""
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested execution provider (or its libraries) is not available here."""
+
+
+class ExportError(ValueError):
+    """A checkpoint cannot be exported; the message says why."""
+
+
+class UnsupportedArchitectureError(ValueError):
+    """The checkpoint's ``model_type`` has no extractor, or it uses a switch the exporter lacks."""
+
+
+class ValidationError(RuntimeError):
+    """The exported graph disagrees with PyTorch beyond tolerance."""
+
+
+# What the command-line tools and the server report as one line (exit status 1 / HTTP 400)
+# instead of a traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    BundleError, ContextOverflowError, GenerationInputError, SamplingParamsError,
+    BackendUnavailableError, ExportError, UnsupportedArchitectureError, ValidationError,
+    FileNotFoundError,
+)
+
+__all__ = ["BundleError", "ContextOverflowError", "GenerationInputError", "ChatTemplateError",
+           "SamplingParamsError", "BackendUnavailableError", "ExportError",
+           "UnsupportedArchitectureError", "ValidationError", "USER_ERRORS"]

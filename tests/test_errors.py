@@ -1,0 +1,49 @@
+"""The user-facing error classes live below both halves of the package; old paths still work."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import specdec_rt.errors as E
+
+
+def test_errors_module_imports_neither_half():
+    code = (
+        "import sys, specdec_rt.errors\n"
+        "bad = [m for m in sys.modules if m.startswith(('specdec_rt.runtime', 'specdec_rt.export', "
+        "'numpy', 'onnxruntime', 'tokenizers', 'torch'))]\n"
+        "print(bad)\n"
+        "sys.exit(1 if bad else 0)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("module, name", [
+    ("specdec_rt.runtime.bundle", "BundleError"),
+    ("specdec_rt.runtime.engine", "ContextOverflowError"),
+    ("specdec_rt.runtime.generator", "GenerationInputError"),
+    ("specdec_rt.runtime.providers", "BackendUnavailableError"),
+    ("specdec_rt.runtime.sampling", "SamplingParamsError"),
+    ("specdec_rt.runtime.errors", "BundleError"),
+    ("specdec_rt.runtime.errors", "USER_ERRORS"),
+    ("specdec_rt.export.pipeline", "ExportError"),
+    ("specdec_rt.export.arch", "UnsupportedArchitectureError"),
+    ("specdec_rt.export.validate", "ValidationError"),
+])
+def test_old_import_paths_name_the_same_objects(module, name):
+    import importlib
+
+    assert getattr(importlib.import_module(module), name) is getattr(E, name)
+
+
+def test_every_user_error_is_reported_by_the_tools():
+    for cls in (E.BundleError, E.ContextOverflowError, E.GenerationInputError, E.ChatTemplateError,
+                E.SamplingParamsError, E.BackendUnavailableError, E.ExportError,
+                E.UnsupportedArchitectureError, E.ValidationError):
+        assert issubclass(cls, E.USER_ERRORS), cls
+    # the base classes callers may already catch are kept
+    assert issubclass(E.BundleError, ValueError) and issubclass(E.ValidationError, RuntimeError)
+    assert issubclass(E.BackendUnavailableError, RuntimeError)
