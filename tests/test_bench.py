@@ -27,3 +27,14 @@ def test_bench_writes_results_table_and_plots(tiny_pair, tmp_path):
     assert peers["transformers generate"]["identical_to_target_only"]
     assert peers["transformers assisted"]["identical_to_target_only"]
     assert "| target-only |" in (out / "results.md").read_text()
+
+
+def test_bench_graphs_only_reports_cost_model_and_predictions(tiny_pair, tmp_path):
+    out = tmp_path / "bench"
+    assert main(["--bundle", str(tiny_pair["bundle"]), "--graphs-only", "--out", str(out), "--quiet"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["rows"] == [] and res["target_only_tokens_per_second"] is None
+    preds = {p["alpha"]: p for p in res["predicted_speedup"]}
+    assert set(preds) == {0.6, 0.7, 0.8}
+    assert preds[0.8]["speedup"] >= preds[0.6]["speedup"] > 0  # more acceptance never predicts less
+    assert "Predicted chain speedup" in (out / "results.md").read_text()

@@ -76,7 +76,7 @@ def node_count(path: Path) -> int:
 
 
 def compare_graphs(gen, genai_dirs: dict[str, Path], threads: int | None = None, past: int = 128,
-                   sizes: tuple[int, ...] = (1, 5), reps: int = 30) -> list[dict]:
+                   sizes: tuple[int, ...] = (1, 2, 4, 8, 16), reps: int = 30) -> list[dict]:
     rows = []
     for role, gdir in genai_dirs.items():
         engine = gen.target if role == "target" else gen.draft_engine
@@ -85,7 +85,8 @@ def compare_graphs(gen, genai_dirs: dict[str, Path], threads: int | None = None,
         genai_model = Path(gdir) / "model.onnx"
         ours = ours_latency(engine, list(sizes), past, reps)
         theirs = genai_latency(genai_model, list(sizes), past, threads, reps)
-        row = {"role": role, "past": past,
+        row = {"role": role, "past": past, "quantization": gen.bundle.manifest["models"][role].get("quantization"),
+               "min_rows_ours": getattr(engine, "min_rows", 1),
                "nodes_ours": node_count(gen.bundle.graph_path(role)), "nodes_genai": node_count(genai_model)}
         for s in sizes:
             row[f"ms_ours_S{s}"] = ours[s] * 1e3

@@ -13,13 +13,28 @@ def _source_dirs(gen) -> tuple[Path, Path | None]:
     return target, draft
 
 
+# onnxruntime-genai builder settings matching our --quantize: MatMulNBits, symmetric, block 32,
+# accuracy level 4 (int8 activations), as specdec_rt.export.quantize writes them
+GENAI_PRECISION = {None: ("fp32", None), "int4": ("int4", {"int4_accuracy_level": 4, "int4_block_size": 32})}
+
+
 def genai_models(cfg, gen) -> dict[str, Path]:
-    """onnxruntime-genai exports of the bundle's source checkpoints (cached in cfg.peer_cache)."""
+    """onnxruntime-genai exports of the bundle's source checkpoints (cached in cfg.peer_cache), in
+    the precision of each of our graphs (fp32, or int4 when the bundle's model is int4)."""
     target_dir, draft_dir = _source_dirs(gen)
     cache = Path(cfg.peer_cache)
-    jobs = [(target_dir, cache / "target")] + ([(draft_dir, cache / "draft")] if draft_dir else [])
-    built = P.build_ortgenai_models(jobs)
-    return dict(zip(["target", "draft"], built))
+    models = gen.bundle.manifest["models"]
+    built = {}
+    for role, src in (("target", target_dir), ("draft", draft_dir)):
+        if src is None:
+            continue
+        quant = models[role].get("quantization")
+        if quant not in GENAI_PRECISION:
+            raise P.PeerUnavailable(f"no onnxruntime-genai builder setting for {quant} (ours: {role})")
+        precision, extra = GENAI_PRECISION[quant]
+        out = cache / (role if precision == "fp32" else f"{role}-{precision}")
+        built[role] = P.build_ortgenai_models([(src, out)], precision=precision, extra_options=extra)[0]
+    return built
 
 
 def _summarize(runs: list, system: str, k, base_outputs: dict, our_tps: float, our_k_tps: dict) -> dict:

@@ -20,7 +20,7 @@ def markdown(results: dict) -> str:
     lines = [
         f"Machine: {m['cpu']}, {m['cores']} cores, onnxruntime {m['onnxruntime']}, Python {m['python']}.",
         f"Settings: {results['settings']}. Target-only: "
-        f"{results['target_only_tokens_per_second']:.1f} tok/s; c (draft step / target step) = "
+        f"{_f(results['target_only_tokens_per_second'], '{:.1f}')} tok/s; c (draft step / target step) = "
         f"{results['c']:.3f}; peak RSS {results['peak_rss_mb']:.0f} MB.",
         "",
         "| configuration | tok/s | speedup | alpha | tokens/call | T(S)/T(1) | ideal | efficiency | loop overhead | identical |",
@@ -45,13 +45,17 @@ def markdown(results: dict) -> str:
                 f"{_f(p['identical_to_target_only'])} |"
             )
     if results.get("graphs"):
-        lines += ["", "| graph | nodes ours / genai | S=1 ms ours / genai | S=5 ms ours / genai | latency ratio S=1, S=5 |",
-                  "|---|---|---|---|---|"]
+        sizes = sorted(int(k[len("ratio_S"):]) for k in results["graphs"][0] if k.startswith("ratio_S"))
+        lines += ["", "| graph | nodes ours / genai | " + " | ".join(f"S={s} ms ours / genai" for s in sizes)
+                  + " | latency ratio " + ", ".join(f"S={s}" for s in sizes) + " |",
+                  "|---|---|" + "---|" * len(sizes) + "---|"]
         for g in results["graphs"]:
+            name = g["role"] + (f" {g['quantization']}" if g.get("quantization") else "")
+            pad = " (1-row calls padded)" if g.get("min_rows_ours", 1) > 1 else ""
             lines.append(
-                f"| {g['role']} (P={g['past']}) | {g['nodes_ours']} / {g['nodes_genai']} | "
-                f"{g['ms_ours_S1']:.3f} / {g['ms_genai_S1']:.3f} | {g['ms_ours_S5']:.3f} / {g['ms_genai_S5']:.3f} | "
-                f"{g['ratio_S1']:.2f}, {g['ratio_S5']:.2f} |")
+                f"| {name}{pad} (P={g['past']}) | {g['nodes_ours']} / {g['nodes_genai']} | "
+                + " | ".join(f"{g[f'ms_ours_S{s}']:.3f} / {g[f'ms_genai_S{s}']:.3f}" for s in sizes)
+                + " | " + ", ".join(f"{g[f'ratio_S{s}']:.2f}" for s in sizes) + " |")
     curve = results["target_time_curve"]
     lines += ["", "Target time T(S)/T(1): " + ", ".join(f"S={s}: {r:.2f}" for s, r in zip(curve["S"], curve["ratio"]))]
     if results.get("target_min_rows", 1) > 1:

@@ -35,6 +35,7 @@ class BenchConfig:
     peer_cache: str = "out/peer-models"
     progress: bool = True
     compare_graphs: bool = False
+    graphs_only: bool = False  # cost model and graph comparison, no generation runs (scale checks)
 
 
 @dataclass
@@ -122,7 +123,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     prompts = [gen.tokenizer.encode(p) for p in cfg.prompts]
     limit = gen.max_length - cfg.max_new_tokens - 1
     prompts = [p[-limit:] for p in prompts]
-    specs = _specs(cfg, gen.draft_engine is not None)
+    specs = [] if cfg.graphs_only else _specs(cfg, gen.draft_engine is not None)
 
     # cost model: T(S) for S = 1..16 and the draft step, on a warm cache
     t_curve = measure_engine(gen.target, list(range(1, 17)), past=128, reps=7)
@@ -160,8 +161,8 @@ def run_bench(cfg: BenchConfig) -> dict:
         bar.close()
     peak_rss = _rss_mb()
 
-    base = acc["target-only"]
-    base_tps = base["tokens"] / base["seconds"]
+    base = acc.get("target-only")  # None with graphs_only
+    base_tps = base["tokens"] / base["seconds"] if base else None
     c = draft_step / t1 if t1 else 0.0
     rows = []
     for spec in specs:

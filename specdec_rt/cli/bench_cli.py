@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
     ap.add_argument("--compare-graphs", action="store_true",
                     help="node count and per-call latency (S=1, S=5) vs onnxruntime-genai's graphs")
+    ap.add_argument("--graphs-only", action="store_true",
+                    help="only the cost model (T(S), c, predicted speedups) and, with --compare-graphs, "
+                         "the graph comparison: no generation runs (for large checkpoints)")
     ap.add_argument("--peer-cache", default="out/peer-models", help="where peer model exports are cached")
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--quiet", action="store_true")
@@ -54,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             ks=[int(k) for k in _csv(args.k)], drafters=_csv(args.drafter), temperature=args.temperature,
             peers=_csv(args.peers), repeats=args.repeats, threads=args.threads, tree=not args.no_tree,
             auto=not args.no_auto, peer_cache=args.peer_cache, progress=not args.quiet,
-            compare_graphs=args.compare_graphs, tree_budgets=[int(b) for b in _csv(args.tree_budgets)],
+            compare_graphs=args.compare_graphs, graphs_only=args.graphs_only, tree_budgets=[int(b) for b in _csv(args.tree_budgets)],
         )
         results = run_bench(cfg)
         results["command"] = "specdec-bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
