@@ -302,6 +302,13 @@ def _load_torch_model(path: Path):
     return model
 
 
+def attention_accumulation(role: str, portable: bool) -> str:
+    """float64 attention sums for the target (what makes its tree rows bit-identical to sequential
+    decoding, docs/design.md); the draft only proposes, so it keeps the cheaper float32 sums, and
+    the portable op set (TensorRT) has no float64."""
+    return "fp64" if role == "target" and not portable else "native"
+
+
 # -- one model --------------------------------------------------------------------------------------
 
 def export_model(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, role: str,
@@ -323,7 +330,7 @@ def export_model(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, role
 
     stages.start(f"build {role}")
     graph_opts = GraphOptions(dtype=options.dtype, opset=options.opset, fused=not options.portable,
-                              attention_accumulation="native" if options.portable else "fp64")
+                              attention_accumulation=attention_accumulation(role, options.portable))
     proto = build_model(spec, weights, graph_opts)
     num_params = int(sum(np.prod(t.dims) for t in proto.graph.initializer))
     path = out / "model.onnx"
