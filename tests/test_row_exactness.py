@@ -127,3 +127,11 @@ def test_quantized_greedy_chain_and_tree_identical_to_target_only(quant_bundles,
             out = gen.generate_ids(prompt, max_new_tokens=40, speculation=mode, num_draft_tokens=n,
                                    ignore_eos=True)
             assert out == base, (mode, n)
+
+
+def test_only_the_target_pays_for_float64_attention(quant_bundles):
+    import json
+
+    models = json.loads((quant_bundles["fp32"] / "manifest.json").read_text())["models"]
+    assert models["target"]["attention_accumulation"] == "fp64"
+    assert models["draft"]["attention_accumulation"] == "native"  # proposals need no exactness
