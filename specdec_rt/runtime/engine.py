@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from specdec_rt.errors import ContextOverflowError  # noqa: F401 - defined there, re-exported here
+from specdec_rt.errors import BackendUnavailableError, ContextOverflowError  # noqa: F401 - re-exported here
 from specdec_rt.runtime.bundle import ModelInfo
 from specdec_rt.runtime.kv_cache import CudaKVCache, KVCache
 from specdec_rt.runtime.providers import device_of, resolve_provider
@@ -111,77 +111,119 @@ def provider_options(provider: str, bundle_root: Path | None, info: ModelInfo, m
 
 
 class EngineBase:
-    """The cache bookkeeping every engine shares: ``length`` committed positions in ``cache``.
+    """The cache bookkeeping every engine shares: ``lengths[s]`` committed positions of sequence
+    ``s`` in ``cache`` (one sequence unless the engine was built for batches, ``max_batch``).
 
-    Subclasses provide ``forward(ids, positions, mask)`` writing new K/V at [length, length + S).
+    Every method takes the sequence it acts on (``seq``, default 0: the one-sequence API, where
+    ``length`` is ``lengths[0]``). Subclasses provide ``forward(ids, positions, mask, seq)``
+    writing new K/V at [length, length + S) of that sequence.
     """
 
-    length: int
+    lengths: list[int]
     cache: KVCache
+    max_batch: int = 1
 
-    def reset(self) -> None:
-        self.length = 0
+    @property
+    def length(self) -> int:
+        """Committed positions of sequence 0."""
+        return self.lengths[0]
 
-    def rollback(self, length: int) -> None:
+    @length.setter
+    def length(self, n: int) -> None:
+        self.lengths[0] = n
+
+    def reset(self, seq: int | None = None) -> None:
+        """Forget sequence ``seq`` (every sequence if None)."""
+        if seq is None:
+            self.lengths = [0] * len(self.lengths)
+        else:
+            self.lengths[seq] = 0
+
+    def rollback(self, length: int, seq: int = 0) -> None:
         """O(1): forget everything after ``length``."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot roll back to {length} (cache holds {self.length})")
-        self.length = length
+        if not 0 <= length <= self.lengths[seq]:
+            raise ValueError(f"cannot roll back to {length} (cache holds {self.lengths[seq]})")
+        self.lengths[seq] = length
 
-    def commit(self, n: int) -> None:
+    def commit(self, n: int, seq: int = 0) -> None:
         """Keep the first ``n`` positions written by the last forward call."""
-        self.length += n
+        self.lengths[seq] += n
 
-    def compact(self, src_offsets: list[int]) -> None:
+    def compact(self, src_offsets: list[int], seq: int = 0) -> None:
         """Keep the forward call's slots ``src_offsets`` (relative to ``length``) in order."""
-        self.cache.gather_into([self.length + s for s in src_offsets], self.length)
-        self.length += len(src_offsets)
+        p = self.lengths[seq]
+        self.cache.gather_into([p + s for s in src_offsets], p, seq)
+        self.lengths[seq] = p + len(src_offsets)
 
-    def extend(self, tokens, chunk: int = PREFILL_CHUNK) -> np.ndarray:
+    def extend(self, tokens, chunk: int = PREFILL_CHUNK, seq: int = 0) -> np.ndarray:
         """Run ``tokens`` at the next positions in chunks of ``chunk`` and commit them; returns
         the last token's logits row. Chunks bound the logits output (every row's, [S, V])."""
         ids = np.asarray(tokens, dtype=np.int64)
         row = None
         for start in range(0, len(ids), chunk):
-            p = self.length
+            p = self.lengths[seq]
             part = ids[start:start + chunk]
             positions = np.arange(p, p + len(part), dtype=np.int64)
-            row = self.forward(part, positions, causal_mask(p, positions, self.info.sliding_window))[-1]
-            self.commit(len(part))
+            row = self.forward(part, positions, causal_mask(p, positions, self.info.sliding_window), seq)[-1]
+            self.commit(len(part), seq)
         return row
 
-    def step(self, token: int) -> np.ndarray:
+    def step(self, token: int, seq: int = 0) -> np.ndarray:
         """One token at the next position; returns its logits row and commits it."""
-        p = self.length
+        p = self.lengths[seq]
         pos = np.array([p], dtype=np.int64)
         row = self.forward(np.array([token], dtype=np.int64), pos,
-                           causal_mask(p, pos, self.info.sliding_window))[-1]
-        self.length = p + 1
+                           causal_mask(p, pos, self.info.sliding_window), seq)[-1]
+        self.lengths[seq] = p + 1
         return row
+
+    def forward_rows(self, seqs: list[int], ids: list, positions: list, masks: list) -> list[np.ndarray]:
+        """One call over several sequences: sequence ``seqs[i]`` gets tokens ``ids[i]`` at
+        ``positions[i]`` with ``masks[i]`` ([S_i, length + S_i], as for :meth:`forward`).
+
+        Returns each sequence's logits [S_i, V]; nothing is committed. Engines without batched
+        calls (``max_batch`` 1) take one sequence.
+        """
+        if len(seqs) != 1:
+            raise ValueError(f"this engine runs one sequence per call, got {len(seqs)}")
+        return [self.forward(ids[0], positions[0], masks[0], seqs[0])]
 
 
 class OrtEngine(EngineBase):
-    """A model graph plus its KV cache. ``length`` is the number of committed positions."""
+    """A model graph plus its KV cache. ``lengths[s]``: committed positions of sequence s.
+
+    ``max_batch`` sequences share the cache buffers (``[max_batch, max_len + 1, Hkv, D]`` per
+    layer and kind); :meth:`forward_rows` runs several of them in one call (host cache only).
+    """
 
     def __init__(self, graph_path: str | os.PathLike, info: ModelInfo, max_len: int,
                  provider: str = "cpu", threads: int | None = None,
                  bundle_root: Path | None = None, io_binding: bool | None = None,
-                 shared_pool: bool = False) -> None:
+                 shared_pool: bool = False, max_batch: int = 1) -> None:
         self.info = info
         self.max_len = max_len
         self.provider = provider
         providers = provider_options(provider, bundle_root, info, max_len)
+        self.device = device_of(resolve_provider(provider))
+        if max_batch > 1 and self.device != "cpu":
+            raise BackendUnavailableError(
+                f"batched decoding (max_batch {max_batch}) runs on the CPU provider in this version; "
+                f"the {provider} provider decodes one sequence at a time (max_batch=1)")
         try:
             self.session = ort.InferenceSession(str(graph_path), session_options(threads, shared_pool),
                                                 providers=providers)
         except Exception as exc:  # noqa: BLE001 - surface ORT load failures as one clear error
             raise RuntimeError(f"ONNX Runtime could not load {graph_path}: {exc}") from None
-        self.device = device_of(resolve_provider(provider))
         kv_dtype = np.dtype(info.kv_dtype)
         cache_cls = KVCache if self.device == "cpu" else CudaKVCache
         # one spare slot: a single-token call padded to two rows (see ``min_rows``) writes the
         # pad row's K/V there when the cache is full
-        self.cache = cache_cls(info.num_layers, max_len + 1, info.num_kv_heads, info.head_dim, kv_dtype)
+        self.max_batch = max_batch
+        if self.device == "cpu":
+            self.cache = KVCache(info.num_layers, max_len + 1, info.num_kv_heads, info.head_dim, kv_dtype,
+                                 seqs=max_batch)
+        else:
+            self.cache = cache_cls(info.num_layers, max_len + 1, info.num_kv_heads, info.head_dim, kv_dtype)
         self.vocab_size = info.vocab_size
         self._logits = np.zeros((1, 0, info.vocab_size), dtype=np.float32)  # IO binding; grown on demand
         self._kv_elem = ort_element_type(kv_dtype)
@@ -196,6 +238,7 @@ class OrtEngine(EngineBase):
         if self.device == "cpu":
             self._host_layers = [(pk, pv, self.cache.keys[i], self.cache.values[i])
                                  for i, (pk, pv, _, _) in enumerate(self._names)]
+        self._staging: list[np.ndarray] | None = None  # batched calls' past, see _forward_batch
         # the C++ run entry point skips per-call Python-side input validation (~4 us); our
         # feeds are built to the graph's contract, and load-time checks caught the rest
         self._run = getattr(self.session, "_sess", self.session).run
@@ -203,30 +246,34 @@ class OrtEngine(EngineBase):
         # session.run over zero-copy views of the same buffers plus a copy of the S new rows
         # measured faster for small drafts (fewer Python->C++ calls per step): docs/runtime.md.
         self.io_binding = (self.device != "cpu") if io_binding is None else io_binding
-        self.length = 0
+        self.lengths = [0] * max_batch
         self.calls = 0
         self.model_time = 0.0  # seconds inside ONNX Runtime: the loop's overhead is the rest
         # Calls with fewer rows are padded to this many (see :func:`probe_row_invariance`).
         self.min_rows = 1
+        # False: forward_rows runs one sequence per call (see :func:`probe_batch_invariance`)
+        self.batch_calls = True
 
     # -- forward ----------------------------------------------------------------------------
-    def forward(self, input_ids: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        """Run S new tokens against the committed cache; return logits [S, V] (a view).
+    def forward(self, input_ids: np.ndarray, positions: np.ndarray, mask: np.ndarray,
+                seq: int = 0) -> np.ndarray:
+        """Run S new tokens of sequence ``seq`` against its committed cache; return logits
+        [S, V] (a view).
 
         New K/V land at slots [length, length + S) but are not committed until :meth:`commit`.
         """
         s = int(input_ids.shape[-1])
-        p = self.length
+        p = self.lengths[seq]
         if p + s > self.max_len:
             raise ContextOverflowError(
                 f"{p + s} positions exceed the context of {self.max_len} tokens")
         if s < self.min_rows:
-            return self._forward_padded(input_ids, positions, mask)
-        return self._dispatch(input_ids, positions, mask, s, p)
+            return self._forward_padded(input_ids, positions, mask, seq)
+        return self._dispatch(input_ids, positions, mask, s, p, seq)
 
-    def _dispatch(self, input_ids, positions, mask, s: int, p: int) -> np.ndarray:
+    def _dispatch(self, input_ids, positions, mask, s: int, p: int, seq: int) -> np.ndarray:
         if not self.io_binding:
-            return self._forward_run(input_ids, positions, mask, s, p)
+            return self._forward_run(input_ids, positions, mask, s, p, seq)
         b = self._binding
         ids = np.ascontiguousarray(input_ids, dtype=np.int64).reshape(1, s)
         pos = np.ascontiguousarray(positions, dtype=np.int64).reshape(1, s)
@@ -238,10 +285,10 @@ class OrtEngine(EngineBase):
         past_shape = [1, p] + tail
         new_shape = [1, s] + tail
         for layer, (pk, pv, nk, nv) in enumerate(self._names):
-            b.bind_input(pk, dev, 0, elem, past_shape, cache.key_ptr(layer, 0))
-            b.bind_input(pv, dev, 0, elem, past_shape, cache.value_ptr(layer, 0))
-            b.bind_output(nk, dev, 0, elem, new_shape, cache.key_ptr(layer, p))
-            b.bind_output(nv, dev, 0, elem, new_shape, cache.value_ptr(layer, p))
+            b.bind_input(pk, dev, 0, elem, past_shape, cache.key_ptr(layer, 0, seq))
+            b.bind_input(pv, dev, 0, elem, past_shape, cache.value_ptr(layer, 0, seq))
+            b.bind_output(nk, dev, 0, elem, new_shape, cache.key_ptr(layer, p, seq))
+            b.bind_output(nv, dev, 0, elem, new_shape, cache.value_ptr(layer, p, seq))
         if self._logits.shape[1] < s:  # rows of the widest call so far (prefill chunks, trees)
             self._logits = np.zeros((1, max(s, 2 * self._logits.shape[1]), self.vocab_size), dtype=np.float32)
         b.bind_output("logits", "cpu", 0, np.float32, [1, s, self.vocab_size], self._logits.ctypes.data)
@@ -251,7 +298,8 @@ class OrtEngine(EngineBase):
         self.calls += 1
         return self._logits[0, :s]
 
-    def _forward_padded(self, input_ids: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    def _forward_padded(self, input_ids: np.ndarray, positions: np.ndarray, mask: np.ndarray,
+                        seq: int) -> np.ndarray:
         """:meth:`forward` with the call padded to ``min_rows`` rows by repeating its last row.
 
         The pad rows see what the last row sees (never themselves), so they are finite and
@@ -260,7 +308,7 @@ class OrtEngine(EngineBase):
         """
         ids = np.asarray(input_ids, dtype=np.int64).reshape(-1)
         pos = np.asarray(positions, dtype=np.int64).reshape(-1)
-        s, p, m = len(ids), self.length, self.min_rows
+        s, p, m = len(ids), self.lengths[seq], self.min_rows
         if p + m > self.max_len + 1:
             raise ContextOverflowError(f"{p + m} positions exceed the context of {self.max_len} tokens")
         mask = np.asarray(mask, dtype=np.float32).reshape(s, p + s)
@@ -269,26 +317,26 @@ class OrtEngine(EngineBase):
         padded[s:, :p + s] = mask[-1]
         ids = np.concatenate([ids, np.repeat(ids[-1:], m - s)])
         pos = np.concatenate([pos, np.repeat(pos[-1:], m - s)])
-        return self._dispatch(ids, pos, padded, m, p)[:s]
+        return self._dispatch(ids, pos, padded, m, p, seq)[:s]
 
-    def step(self, token: int) -> np.ndarray:
+    def step(self, token: int, seq: int = 0) -> np.ndarray:
         """One token at the next position (the draft's hot path); returns its logits row.
 
         Same result as ``forward([token], [length], causal_mask(...))`` without building the
         inputs: ids and position live in preallocated arrays and the all-zero mask is a view of
         a preallocated zero row. Commits the token.
         """
-        p = self.length
+        p = self.lengths[seq]
         window = self.info.sliding_window
         if self.io_binding or self.min_rows > 1 or (window and p >= window) or p + 1 > self.max_len:
-            return super().step(token)
+            return super().step(token, seq)
         self._ids1[0, 0] = token
         self._pos1[0, 0] = p
-        row = self._forward_run(self._ids1, self._pos1, self._zeros[: p + 1], 1, p)[-1]
-        self.length = p + 1
+        row = self._forward_run(self._ids1, self._pos1, self._zeros[: p + 1], 1, p, seq)[-1]
+        self.lengths[seq] = p + 1
         return row
 
-    def _forward_run(self, input_ids, positions, mask, s: int, p: int) -> np.ndarray:
+    def _forward_run(self, input_ids, positions, mask, s: int, p: int, seq: int) -> np.ndarray:
         """Host path: past fed as zero-copy views, the S new K/V rows copied into place."""
         feeds = {
             "input_ids": np.asarray(input_ids, dtype=np.int64).reshape(1, s),
@@ -297,16 +345,92 @@ class OrtEngine(EngineBase):
         }
         layers = self._host_layers
         for pk, pv, kbuf, vbuf in layers:
-            feeds[pk] = kbuf[:, :p]
-            feeds[pv] = vbuf[:, :p]
+            feeds[pk] = kbuf[seq:seq + 1, :p]
+            feeds[pv] = vbuf[seq:seq + 1, :p]
         t0 = time.perf_counter()
         out = self._run(self._out_names, feeds, None)
         self.model_time += time.perf_counter() - t0
         for i, (_, _, kbuf, vbuf) in enumerate(layers):
-            kbuf[:, p:p + s] = out[1 + 2 * i]
-            vbuf[:, p:p + s] = out[2 + 2 * i]
+            kbuf[seq:seq + 1, p:p + s] = out[1 + 2 * i]
+            vbuf[seq:seq + 1, p:p + s] = out[2 + 2 * i]
         self.calls += 1
         return out[0][0]
+
+    # -- batched calls --------------------------------------------------------------------
+    def forward_rows(self, seqs: list[int], ids: list, positions: list, masks: list) -> list[np.ndarray]:
+        """One call over several sequences (see :meth:`EngineBase.forward_rows`).
+
+        Sequences at different lengths share the call through padding expressed only in the
+        mask: the past is fed as ``[B, P_max]`` (P_max = the longest sequence; each row's mask
+        hides the columns past its own length) and the new tokens as ``[B, S_max]`` (shorter
+        rows repeat their last token in rows that see what it sees and that no real row sees).
+        A row's logits and K/V are bit for bit what it gets alone: every kernel computes a row
+        independently of the others, the attention sums over keys run in float64 (masked
+        columns add exact zeros), and the call always has several rows, so the one-row kernel
+        question (``min_rows``) does not arise. Measured by :func:`probe_batch_invariance`.
+        """
+        if len(seqs) == 1 or not self.batch_calls:
+            return [self.forward(*args) for args in zip(ids, positions, masks, seqs)]
+        return self._forward_batch(seqs, ids, positions, masks)
+
+    def _forward_batch(self, seqs: list[int], ids: list, positions: list, masks: list) -> list[np.ndarray]:
+        if self.device != "cpu":  # pragma: no cover - guarded at construction
+            raise BackendUnavailableError("batched calls run on the CPU provider only")
+        lengths = [self.lengths[q] for q in seqs]
+        widths = [len(x) for x in ids]
+        for q, p, s in zip(seqs, lengths, widths):
+            if p + s > self.max_len:
+                raise ContextOverflowError(
+                    f"{p + s} positions exceed the context of {self.max_len} tokens (sequence {q})")
+        b, pmax, smax = len(seqs), max(lengths), max(widths)
+        ids_in = np.empty((b, smax), dtype=np.int64)
+        pos_in = np.empty((b, smax), dtype=np.int64)
+        mask_in = np.full((b, 1, smax, pmax + smax), NEG_INF, dtype=np.float32)
+        for i, (p, s) in enumerate(zip(lengths, widths)):
+            m = np.asarray(masks[i], dtype=np.float32).reshape(s, p + s)
+            ids_in[i, :s] = ids[i]
+            ids_in[i, s:] = ids_in[i, s - 1]
+            pos_in[i, :s] = positions[i]
+            pos_in[i, s:] = pos_in[i, s - 1]
+            rows = mask_in[i, 0]
+            rows[:s, :p] = m[:, :p]
+            rows[:s, pmax:pmax + s] = m[:, p:]
+            rows[s:] = rows[s - 1]  # pad rows see what the last real row sees
+        feeds = {"input_ids": ids_in, "position_ids": pos_in, "attention_mask": mask_in}
+        staging = self._staging_buffers()
+        n = b * pmax
+        for layer, (pk, pv, kbuf, vbuf) in enumerate(self._host_layers):
+            past_k = staging[2 * layer][:n].reshape(b, pmax, *self._kv_shape_tail)
+            past_v = staging[2 * layer + 1][:n].reshape(b, pmax, *self._kv_shape_tail)
+            for i, (q, p) in enumerate(zip(seqs, lengths)):
+                past_k[i, :p] = kbuf[q, :p]
+                past_v[i, :p] = vbuf[q, :p]
+            feeds[pk] = past_k
+            feeds[pv] = past_v
+        t0 = time.perf_counter()
+        out = self._run(self._out_names, feeds, None)
+        self.model_time += time.perf_counter() - t0
+        for layer, (_, _, kbuf, vbuf) in enumerate(self._host_layers):
+            new_k, new_v = out[1 + 2 * layer], out[2 + 2 * layer]
+            for i, (q, p, s) in enumerate(zip(seqs, lengths, widths)):
+                kbuf[q, p:p + s] = new_k[i, :s]
+                vbuf[q, p:p + s] = new_v[i, :s]
+        self.calls += 1
+        logits = out[0]
+        return [logits[i, :s] for i, s in enumerate(widths)]
+
+    def _staging_buffers(self) -> list[np.ndarray]:
+        """Per layer and kind, a flat buffer that batched calls view as their ``[B, P_max]`` past.
+
+        Each call copies every row's valid prefix in; the columns past a row's length keep
+        whatever finite K/V an earlier call left there (zeros at first), which the row's mask
+        hides: masked columns must hold finite values, since ``0 * inf`` would be NaN.
+        """
+        if self._staging is None:
+            c = self.cache
+            shape = (self.max_batch * (self.max_len + 1), c.heads, c.head_dim)
+            self._staging = [np.zeros(shape, dtype=c.dtype) for _ in range(2 * self.info.num_layers)]
+        return self._staging
 
 
 def ort_element_type(dtype: np.dtype):
@@ -351,17 +475,23 @@ def tree_mask(past_len: int, region: np.ndarray, positions: np.ndarray,
 
 def make_engine(graph_path: str | os.PathLike, info: ModelInfo, max_len: int, provider: str = "cpu",
                 threads: int | None = None, bundle_root: Path | None = None,
-                io_binding: bool | None = None, shared_pool: bool = False):
+                io_binding: bool | None = None, shared_pool: bool = False, max_batch: int = 1):
     """An engine for ``provider``: ONNX Runtime (cpu / cuda / tensorrt EP) or native TensorRT (trt).
 
-    Every engine has the same interface (forward / commit / rollback / compact / reset, ``length``,
-    ``max_len``, ``info``, ``cache``), so the loop never knows which one it drives.
+    Every engine has the same interface (forward / forward_rows / commit / rollback / compact /
+    reset, ``lengths``, ``max_len``, ``max_batch``, ``info``, ``cache``), so the loop never knows
+    which one it drives. ``max_batch``: sequences the cache holds (batched decoding, CPU only).
     """
     if provider.lower() == "trt":
         from specdec_rt.runtime.trt_engine import TrtEngine
 
+        if max_batch > 1:
+            raise BackendUnavailableError(
+                f"batched decoding (max_batch {max_batch}) runs on the CPU provider in this version; "
+                "the native TensorRT engines decode one sequence at a time (max_batch=1)")
         return TrtEngine(graph_path, info, max_len, bundle_root=bundle_root)
-    return OrtEngine(graph_path, info, max_len, provider, threads, bundle_root, io_binding, shared_pool)
+    return OrtEngine(graph_path, info, max_len, provider, threads, bundle_root, io_binding, shared_pool,
+                     max_batch)
 
 
 class RowInvarianceWarning(RuntimeWarning):
@@ -419,3 +549,62 @@ def probe_row_invariance(engine: OrtEngine, widths: tuple[int, ...] = (2, 3, 5, 
         chosen = 1
     engine.min_rows = chosen
     return chosen
+
+
+def probe_batch_invariance(engine: OrtEngine, seed: int = 0) -> bool:
+    """Measure whether a sequence's logits and K/V in a batched call equal, bit for bit, what it
+    gets alone; if not, warn and make :meth:`OrtEngine.forward_rows` run sequences one at a
+    time (``engine.batch_calls = False``: exact, without the batching gain). Returns the answer.
+
+    Batched calls pad: rows are at different lengths (masked past columns) and propose different
+    numbers of tokens (pad rows), and the call has more rows than any of its sequences. Measured
+    on x86 AVX2 with the fp32 and int4 graphs: no effect beyond the one-row kernel that
+    ``min_rows`` already pads (every batched call has several rows). Kernels differ per machine,
+    so this is checked where the model runs, after :func:`probe_row_invariance`.
+    """
+    n = min(engine.max_batch, 4)
+    if n < 2:
+        return True
+    rng = np.random.default_rng(seed)
+    lengths, widths = [3, 9, 5, 14][:n], [1, 4, 2, 3][:n]
+    if max(lengths) + max(widths) > engine.max_len:
+        return True
+    prompts = [rng.integers(0, engine.vocab_size, p + s) for p, s in zip(lengths, widths)]
+    sliding = engine.info.sliding_window
+    layers = sorted({0, engine.info.num_layers - 1})
+    seqs = list(range(n))
+
+    def inputs(i):
+        pos = np.arange(lengths[i], lengths[i] + widths[i], dtype=np.int64)
+        return prompts[i][lengths[i]:], pos, causal_mask(lengths[i], pos, sliding)
+
+    def new_kv(i):
+        return [engine.cache.read(layer, lengths[i], lengths[i] + widths[i], i) for layer in layers]
+
+    engine.reset()
+    try:
+        alone = []
+        for i in seqs:
+            engine.extend(prompts[i][:lengths[i]], seq=i)
+            row = engine.forward(*inputs(i), seq=i).copy()
+            alone.append((row, new_kv(i)))
+        same = True
+        for order in (seqs, seqs[::-1], seqs[1:3]):
+            args = [inputs(i) for i in order]
+            rows = engine._forward_batch(order, *map(list, zip(*args)))
+            for i, row in zip(order, rows):
+                ref_row, ref_kv = alone[i]
+                kv = new_kv(i)
+                same &= np.array_equal(row, ref_row) and all(
+                    np.array_equal(a, b) for x, y in zip(kv, ref_kv) for a, b in zip(x, y))
+    finally:
+        engine.reset()
+    engine.batch_calls = same
+    if not same:
+        import warnings
+
+        warnings.warn(
+            f"the {engine.info.role} graph's logits for a sequence change when it shares a call with "
+            f"other sequences on the {engine.provider} provider: batched decoding runs one sequence per "
+            "call (exact, without the batching gain)", RowInvarianceWarning, stacklevel=2)
+    return same

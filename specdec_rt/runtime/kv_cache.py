@@ -1,9 +1,12 @@
 """Preallocated per-layer KV buffers addressed by pointer, on the host or on a CUDA device.
 
-Layout per layer and kind: ``[1, max_len, Hkv, D]`` (batch 1, sequence-major). With batch 1 the
-valid prefix ``[:, :P]`` is one contiguous block, so the past is fed to ONNX Runtime by pointer
-with no copy, and the graph's new K/V outputs are bound straight at byte offset ``P`` of the same
-buffer. Rolling back is setting ``P``: rejected tokens were never committed.
+Layout per layer and kind: ``[seqs, max_len, Hkv, D]``, sequence-major: one sequence per batch
+row (``seqs`` is 1 unless batched decoding is enabled), position i of sequence s at ``[s, i]``. A
+sequence's valid prefix ``[s, :P]`` is one contiguous block, so a one-sequence call feeds the past
+to ONNX Runtime by pointer with no copy, and the graph's new K/V outputs are bound straight at
+byte offset ``P`` of the same buffer. Rolling back is setting the sequence's ``P``: rejected
+tokens were never committed. Host buffers come from ``np.zeros`` (calloc): sequences a run never
+uses cost no resident memory.
 """
 from __future__ import annotations
 
@@ -27,26 +30,27 @@ class KVCache:
     device = "cpu"
 
     def __init__(self, num_layers: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: np.dtype) -> None:
+                 dtype: np.dtype, seqs: int = 1) -> None:
         set_layout(self, num_layers, max_len, num_kv_heads, head_dim, dtype)
-        shape = (1, max_len, num_kv_heads, head_dim)
+        self.seqs = seqs
+        shape = (seqs, max_len, num_kv_heads, head_dim)
         # one allocation per layer and kind, for the life of the engine
         self.keys = [np.zeros(shape, dtype=self.dtype) for _ in range(num_layers)]
         self.values = [np.zeros(shape, dtype=self.dtype) for _ in range(num_layers)]
         self._key_ptrs = [a.ctypes.data for a in self.keys]
         self._value_ptrs = [a.ctypes.data for a in self.values]
 
-    def key_ptr(self, layer: int, offset: int) -> int:
-        return self._key_ptrs[layer] + offset * self.token_bytes
+    def key_ptr(self, layer: int, offset: int, seq: int = 0) -> int:
+        return self._key_ptrs[layer] + (seq * self.max_len + offset) * self.token_bytes
 
-    def value_ptr(self, layer: int, offset: int) -> int:
-        return self._value_ptrs[layer] + offset * self.token_bytes
+    def value_ptr(self, layer: int, offset: int, seq: int = 0) -> int:
+        return self._value_ptrs[layer] + (seq * self.max_len + offset) * self.token_bytes
 
-    def read(self, layer: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+    def read(self, layer: int, start: int, stop: int, seq: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Copies of K and V for positions [start, stop) (for tests and debugging)."""
-        return self.keys[layer][0, start:stop].copy(), self.values[layer][0, start:stop].copy()
+        return self.keys[layer][seq, start:stop].copy(), self.values[layer][seq, start:stop].copy()
 
-    def gather_into(self, src_slots: list[int], dst_start: int) -> None:
+    def gather_into(self, src_slots: list[int], dst_start: int, seq: int = 0) -> None:
         """Move K/V of ``src_slots`` to consecutive slots from ``dst_start`` (tree compaction).
 
         Sources are always at or after their destinations (accepted path nodes are compacted
@@ -57,8 +61,8 @@ class KVCache:
             if src == dst:
                 continue
             for layer in range(self.num_layers):
-                self.keys[layer][0, dst] = self.keys[layer][0, src]
-                self.values[layer][0, dst] = self.values[layer][0, src]
+                self.keys[layer][seq, dst] = self.keys[layer][seq, src]
+                self.values[layer][seq, dst] = self.values[layer][seq, src]
 
 
 class CudaKVCache(KVCache):
@@ -75,6 +79,7 @@ class CudaKVCache(KVCache):
         import onnxruntime as ort
 
         set_layout(self, num_layers, max_len, num_kv_heads, head_dim, dtype)
+        self.seqs = 1  # batched decoding (several sequences) runs on the host cache only
         self.device_id = device_id
         shape = [1, max_len, num_kv_heads, head_dim]
         alloc = lambda: ort.OrtValue.ortvalue_from_shape_and_type(shape, self.dtype, "cuda", device_id)  # noqa: E731
@@ -83,12 +88,12 @@ class CudaKVCache(KVCache):
         self._key_ptrs = [v.data_ptr() for v in self.keys]
         self._value_ptrs = [v.data_ptr() for v in self.values]
 
-    def read(self, layer: int, start: int, stop: int):  # pragma: no cover - needs a GPU
+    def read(self, layer: int, start: int, stop: int, seq: int = 0):  # pragma: no cover - needs a GPU
         k = self.keys[layer].numpy()[0, start:stop].copy()
         v = self.values[layer].numpy()[0, start:stop].copy()
         return k, v
 
-    def gather_into(self, src_slots: list[int], dst_start: int) -> None:  # pragma: no cover
+    def gather_into(self, src_slots: list[int], dst_start: int, seq: int = 0) -> None:  # pragma: no cover
         try:
             from cuda.bindings import runtime as cudart
         except ImportError:
