@@ -38,8 +38,11 @@ def test_forward_rows_equals_each_sequence_alone_bit_for_bit(tiny_gen):
         pos = np.arange(p, p + s)
         args.append((toks[p:], pos, causal_mask(p, pos)))
         alone.append((eng.forward(*args[-1], seq=q).copy(), eng.cache.read(1, p, p + s, q)))
-    for order in (list(range(5)), [4, 2, 0], [1, 3]):
-        rows = eng.forward_rows([seqs[i] for i in order], *map(list, zip(*[args[i] for i in order])))
+    for order, given in ((list(range(5)), True), ([4, 2, 0], False), ([1, 3], True), ([3, 0, 1, 2, 4], False)):
+        ids, positions, masks = map(list, zip(*[args[i] for i in order]))
+        # given masks, or the engine's own causal masks (the loop's path)
+        rows = eng.forward_rows([seqs[i] for i in order], ids, positions if given else None,
+                                masks if given else None)
         for i, row in zip(order, rows):
             assert np.array_equal(row, alone[i][0])
             k, v = eng.cache.read(1, lengths[i], lengths[i] + widths[i], seqs[i])
@@ -65,6 +68,26 @@ def test_load_probes_batch_invariance_and_falls_back_when_it_fails(tiny_pair, mo
     base = [_solo(bad, p, max_new_tokens=20, drafter=None, ignore_eos=True) for p in PROMPTS[:3]]
     out = bad.generate_batch(PROMPTS[:3], max_new_tokens=20, ignore_eos=True)
     assert [r.token_ids for r in out] == base
+
+
+def test_sliding_window_batches_match_single_sequences(tmp_path):
+    """Mistral with a window shorter than the generation: batched rows get the window too."""
+    from transformers import MistralConfig
+
+    from helpers import make_checkpoint
+    from specdec_rt.export.pipeline import ExportOptions, export_pair
+
+    cfg = MistralConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        sliding_window=6, eos_token_id=0, bos_token_id=0, pad_token_id=0)
+    ckpt = make_checkpoint(cfg, tmp_path / "mistral")
+    export_pair(ckpt, ckpt, tmp_path / "bundle", ExportOptions(progress=False))
+    gen = specdec_rt.load(tmp_path / "bundle", threads=1, max_batch=4)
+    base = [_solo(gen, p, max_new_tokens=24, drafter=None, ignore_eos=True) for p in PROMPTS[:5]]
+    for k in (0, 3):
+        out = gen.generate_batch(PROMPTS[:5], max_new_tokens=24, batch_size=4, num_draft_tokens=k,
+                                 drafter="model" if k else None, ignore_eos=True)
+        assert [r.token_ids for r in out] == base
 
 
 # -- greedy: token for token ----------------------------------------------------------------

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from specdec_rt.runtime.engine import OrtEngine, causal_mask
+from specdec_rt.runtime.engine import OrtEngine
 from specdec_rt.runtime.sampling import probabilities, sample
 
 if TYPE_CHECKING:
@@ -77,11 +77,8 @@ class ModelDrafter:
         """:meth:`_step` for several sequences in one call."""
         if len(seqs) == 1:
             return [self._step(pending[0], seqs[0])]
-        eng, window = self.engine, self.engine.info.sliding_window
-        positions = [np.arange(eng.lengths[q], eng.lengths[q] + len(t), dtype=np.int64)
-                     for q, t in zip(seqs, pending)]
-        masks = [causal_mask(eng.lengths[q], pos, window) for q, pos in zip(seqs, positions)]
-        logits = eng.forward_rows(seqs, pending, positions, masks)
+        eng = self.engine
+        logits = eng.forward_rows(seqs, pending)
         for q, t in zip(seqs, pending):
             eng.commit(len(t), q)
             self._seen[q].extend(t)

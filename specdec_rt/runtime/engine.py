@@ -25,6 +25,11 @@ NEG_INF = np.float32(-np.inf)
 # row, and a 4k-token prompt over a 152k vocabulary would otherwise need a 2.5 GB logits tensor.
 PREFILL_CHUNK = 256
 
+# Batched calls attend over the cache's whole stride (masked past each row's length): it grows in
+# steps of this many positions (a re-layout, i.e. a move of every sequence's K/V, once per
+# STRIDE_STEP tokens of the longest sequence) and shrinks back when two steps are unused.
+STRIDE_STEP = 32
+
 
 _GLOBAL_POOL: int | None = None  # intra-op size of the process-wide pool, once created
 
@@ -177,16 +182,21 @@ class EngineBase:
         self.lengths[seq] = p + 1
         return row
 
-    def forward_rows(self, seqs: list[int], ids: list, positions: list, masks: list) -> list[np.ndarray]:
+    def forward_rows(self, seqs: list[int], ids: list, positions: list | None = None,
+                     masks: list | None = None) -> list[np.ndarray]:
         """One call over several sequences: sequence ``seqs[i]`` gets tokens ``ids[i]`` at
-        ``positions[i]`` with ``masks[i]`` ([S_i, length + S_i], as for :meth:`forward`).
+        ``positions[i]`` (default: its next positions) with ``masks[i]`` ([S_i, length + S_i],
+        as for :meth:`forward`; default: causal, the manifest's sliding window applied).
 
         Returns each sequence's logits [S_i, V]; nothing is committed. Engines without batched
         calls (``max_batch`` 1) take one sequence.
         """
         if len(seqs) != 1:
             raise ValueError(f"this engine runs one sequence per call, got {len(seqs)}")
-        return [self.forward(ids[0], positions[0], masks[0], seqs[0])]
+        p = self.lengths[seqs[0]]
+        pos = positions[0] if positions is not None else np.arange(p, p + len(ids[0]), dtype=np.int64)
+        mask = masks[0] if masks is not None else causal_mask(p, pos, self.info.sliding_window)
+        return [self.forward(ids[0], pos, mask, seqs[0])]
 
 
 class OrtEngine(EngineBase):
@@ -235,10 +245,7 @@ class OrtEngine(EngineBase):
         self._ids1 = np.zeros((1, 1), dtype=np.int64)
         self._pos1 = np.zeros((1, 1), dtype=np.int64)
         self._zeros = np.zeros(max_len, dtype=np.float32)
-        if self.device == "cpu":
-            self._host_layers = [(pk, pv, self.cache.keys[i], self.cache.values[i])
-                                 for i, (pk, pv, _, _) in enumerate(self._names)]
-        self._staging: list[np.ndarray] | None = None  # batched calls' past, see _forward_batch
+        self._past_names = [(pk, pv) for pk, pv, _, _ in self._names]
         # the C++ run entry point skips per-call Python-side input validation (~4 us); our
         # feeds are built to the graph's contract, and load-time checks caught the rest
         self._run = getattr(self.session, "_sess", self.session).run
@@ -267,6 +274,7 @@ class OrtEngine(EngineBase):
         if p + s > self.max_len:
             raise ContextOverflowError(
                 f"{p + s} positions exceed the context of {self.max_len} tokens")
+        self._fit(p + max(s, self.min_rows))
         if s < self.min_rows:
             return self._forward_padded(input_ids, positions, mask, seq)
         return self._dispatch(input_ids, positions, mask, s, p, seq)
@@ -330,6 +338,7 @@ class OrtEngine(EngineBase):
         window = self.info.sliding_window
         if self.io_binding or self.min_rows > 1 or (window and p >= window) or p + 1 > self.max_len:
             return super().step(token, seq)
+        self._fit(p + 1)
         self._ids1[0, 0] = token
         self._pos1[0, 0] = p
         row = self._forward_run(self._ids1, self._pos1, self._zeros[: p + 1], 1, p, seq)[-1]
@@ -343,94 +352,127 @@ class OrtEngine(EngineBase):
             "position_ids": np.asarray(positions, dtype=np.int64).reshape(1, s),
             "attention_mask": np.asarray(mask, dtype=np.float32).reshape(1, 1, s, p + s),
         }
-        layers = self._host_layers
-        for pk, pv, kbuf, vbuf in layers:
+        keys, values = self.cache.keys, self.cache.values
+        for (pk, pv), kbuf, vbuf in zip(self._past_names, keys, values):
             feeds[pk] = kbuf[seq:seq + 1, :p]
             feeds[pv] = vbuf[seq:seq + 1, :p]
         t0 = time.perf_counter()
         out = self._run(self._out_names, feeds, None)
         self.model_time += time.perf_counter() - t0
-        for i, (_, _, kbuf, vbuf) in enumerate(layers):
+        for i, (kbuf, vbuf) in enumerate(zip(keys, values)):
             kbuf[seq:seq + 1, p:p + s] = out[1 + 2 * i]
             vbuf[seq:seq + 1, p:p + s] = out[2 + 2 * i]
         self.calls += 1
         return out[0][0]
 
     # -- batched calls --------------------------------------------------------------------
-    def forward_rows(self, seqs: list[int], ids: list, positions: list, masks: list) -> list[np.ndarray]:
+    def _fit(self, need: int, batched: bool = False) -> None:
+        """Keep the cache's stride (positions per sequence) at least ``need`` and every
+        sequence's length; batched calls attend over the whole stride, so they also shrink it
+        back when it is far above what is needed."""
+        cache = self.cache
+        if getattr(cache, "seqs", 1) == 1:
+            return  # one sequence starts at offset 0 whatever the stride
+        need = max(need, max(self.lengths))
+        stride = cache.stride
+        if need > stride or (batched and stride >= need + 2 * STRIDE_STEP):
+            cache.restride(min(cache.max_len, -(-need // STRIDE_STEP) * STRIDE_STEP), self.lengths)
+
+    def forward_rows(self, seqs: list[int], ids: list, positions: list | None = None,
+                     masks: list | None = None) -> list[np.ndarray]:
         """One call over several sequences (see :meth:`EngineBase.forward_rows`).
 
         Sequences at different lengths share the call through padding expressed only in the
-        mask: the past is fed as ``[B, P_max]`` (P_max = the longest sequence; each row's mask
-        hides the columns past its own length) and the new tokens as ``[B, S_max]`` (shorter
-        rows repeat their last token in rows that see what it sees and that no real row sees).
-        A row's logits and K/V are bit for bit what it gets alone: every kernel computes a row
-        independently of the others, the attention sums over keys run in float64 (masked
-        columns add exact zeros), and the call always has several rows, so the one-row kernel
-        question (``min_rows``) does not arise. Measured by :func:`probe_batch_invariance`.
+        mask and positions: the past is the cache's rows ``[lo:hi, :stride]`` fed with no copy
+        (each row's mask hides the positions past its own length; a sequence in the range that
+        is not in the call runs as a dummy row), and the new tokens are ``[B, S_max]`` (a row
+        with fewer tokens repeats its last one in pad rows that see what it sees and that no
+        real row sees). A row's logits and K/V are bit for bit what it gets alone: every kernel
+        computes a row independently of the others, the attention sums over keys run in float64
+        (masked columns add exact zeros), and the call always has several rows, so the one-row
+        kernel question (``min_rows``) does not arise. Measured at load by
+        :func:`probe_batch_invariance`; where it fails, sequences run one per call.
         """
         if len(seqs) == 1 or not self.batch_calls:
+            if positions is None:
+                positions = [np.arange(self.lengths[q], self.lengths[q] + len(t), dtype=np.int64)
+                             for q, t in zip(seqs, ids)]
+            if masks is None:
+                masks = [causal_mask(self.lengths[q], pos, self.info.sliding_window)
+                         for q, pos in zip(seqs, positions)]
             return [self.forward(*args) for args in zip(ids, positions, masks, seqs)]
         return self._forward_batch(seqs, ids, positions, masks)
 
-    def _forward_batch(self, seqs: list[int], ids: list, positions: list, masks: list) -> list[np.ndarray]:
+    def _forward_batch(self, seqs: list[int], ids: list, positions: list | None,
+                       masks: list | None) -> list[np.ndarray]:
         if self.device != "cpu":  # pragma: no cover - guarded at construction
             raise BackendUnavailableError("batched calls run on the CPU provider only")
-        lengths = [self.lengths[q] for q in seqs]
-        widths = [len(x) for x in ids]
-        for q, p, s in zip(seqs, lengths, widths):
-            if p + s > self.max_len:
-                raise ContextOverflowError(
-                    f"{p + s} positions exceed the context of {self.max_len} tokens (sequence {q})")
-        b, pmax, smax = len(seqs), max(lengths), max(widths)
-        ids_in = np.empty((b, smax), dtype=np.int64)
-        pos_in = np.empty((b, smax), dtype=np.int64)
-        mask_in = np.full((b, 1, smax, pmax + smax), NEG_INF, dtype=np.float32)
-        for i, (p, s) in enumerate(zip(lengths, widths)):
-            m = np.asarray(masks[i], dtype=np.float32).reshape(s, p + s)
-            ids_in[i, :s] = ids[i]
-            ids_in[i, s:] = ids_in[i, s - 1]
-            pos_in[i, :s] = positions[i]
-            pos_in[i, s:] = pos_in[i, s - 1]
-            rows = mask_in[i, 0]
-            rows[:s, :p] = m[:, :p]
-            rows[:s, pmax:pmax + s] = m[:, p:]
-            rows[s:] = rows[s - 1]  # pad rows see what the last real row sees
+        lengths = np.array([self.lengths[q] for q in seqs])
+        widths = np.array([len(x) for x in ids])
+        over = np.nonzero(lengths + widths > self.max_len)[0]
+        if len(over):
+            i = int(over[0])
+            raise ContextOverflowError(f"{lengths[i] + widths[i]} positions exceed the context of "
+                                       f"{self.max_len} tokens (sequence {seqs[i]})")
+        self._fit(int((lengths + widths).max()), batched=True)
+        cache = self.cache
+        c, smax = cache.stride, int(widths.max())
+        seq_arr = np.array(seqs)
+        lo, hi = int(seq_arr.min()), int(seq_arr.max()) + 1
+        rows = seq_arr - lo  # row of each sequence in the call
+        n = hi - lo
+        # sequences in [lo, hi) that are not in the call: dummy rows (no past, a causal block)
+        row_len = np.zeros(n, dtype=np.int64)
+        row_width = np.full(n, smax, dtype=np.int64)
+        row_len[rows], row_width[rows] = lengths, widths
+        # row r's query j holds its token min(j, S_r - 1): shorter rows repeat their last token
+        j = np.arange(smax)
+        pick = np.minimum(j[None, :], widths[:, None] - 1)
+        flat = (np.cumsum(widths) - widths)[:, None] + pick
+        ids_in = np.zeros((n, smax), dtype=np.int64)
+        pos_in = np.tile(j, (n, 1))
+        ids_in[rows] = np.concatenate(ids)[flat]
+        pos_in[rows] = lengths[:, None] + pick if positions is None else np.concatenate(positions)[flat]
+        window = self.info.sliding_window
+        if masks is None and not window:
+            # causal chains: past columns below the row's length, new column j for query i while
+            # j <= i; pad queries (i >= S_r) see what the row's last query sees
+            past = np.arange(c)[None, None, :] < row_len[:, None, None]
+            last = np.minimum(np.arange(smax)[None, :], row_width[:, None] - 1)
+            new = np.arange(smax)[None, None, :] <= last[:, :, None]
+            visible = np.concatenate([np.broadcast_to(past, (n, smax, c)), new], axis=2)
+            mask_in = np.where(visible, np.float32(0), NEG_INF)[:, None]
+        else:
+            if masks is None:
+                masks = [causal_mask(int(p), pos_in[r, :s], window) for r, p, s in zip(rows, lengths, widths)]
+            mask_in = np.full((n, 1, smax, c + smax), NEG_INF, dtype=np.float32)
+            mask_in[:, 0, :, c:] = np.triu(np.full((smax, smax), NEG_INF, dtype=np.float32), 1)
+            for r, m, p, s in zip(rows, masks, lengths, widths):
+                m = np.asarray(m, dtype=np.float32).reshape(s, p + s)
+                block = mask_in[r, 0]
+                block[:] = NEG_INF
+                block[:s, :p] = m[:, :p]
+                block[:s, c:c + s] = m[:, p:]
+                block[s:] = block[s - 1]  # pad rows see what the last real row sees
         feeds = {"input_ids": ids_in, "position_ids": pos_in, "attention_mask": mask_in}
-        staging = self._staging_buffers()
-        n = b * pmax
-        for layer, (pk, pv, kbuf, vbuf) in enumerate(self._host_layers):
-            past_k = staging[2 * layer][:n].reshape(b, pmax, *self._kv_shape_tail)
-            past_v = staging[2 * layer + 1][:n].reshape(b, pmax, *self._kv_shape_tail)
-            for i, (q, p) in enumerate(zip(seqs, lengths)):
-                past_k[i, :p] = kbuf[q, :p]
-                past_v[i, :p] = vbuf[q, :p]
-            feeds[pk] = past_k
-            feeds[pv] = past_v
+        keys, values = cache.keys, cache.values
+        for (pk, pv), kbuf, vbuf in zip(self._past_names, keys, values):
+            feeds[pk] = kbuf[lo:hi]
+            feeds[pv] = vbuf[lo:hi]
         t0 = time.perf_counter()
         out = self._run(self._out_names, feeds, None)
         self.model_time += time.perf_counter() - t0
-        for layer, (_, _, kbuf, vbuf) in enumerate(self._host_layers):
-            new_k, new_v = out[1 + 2 * layer], out[2 + 2 * layer]
-            for i, (q, p, s) in enumerate(zip(seqs, lengths, widths)):
-                kbuf[q, p:p + s] = new_k[i, :s]
-                vbuf[q, p:p + s] = new_v[i, :s]
+        # each row's new K/V to its own length: one scatter per layer and kind
+        take = (j[None, :] < widths[:, None]).ravel()
+        src = (rows[:, None] * smax + j[None, :]).ravel()[take]
+        dst = (np.array(seqs)[:, None] * c + lengths[:, None] + j[None, :]).ravel()[take]
+        tail = (cache.heads, cache.head_dim)
+        for layer, (kbuf, vbuf) in enumerate(zip(keys, values)):
+            kbuf.reshape(-1, *tail)[dst] = out[1 + 2 * layer].reshape(-1, *tail)[src]
+            vbuf.reshape(-1, *tail)[dst] = out[2 + 2 * layer].reshape(-1, *tail)[src]
         self.calls += 1
         logits = out[0]
-        return [logits[i, :s] for i, s in enumerate(widths)]
-
-    def _staging_buffers(self) -> list[np.ndarray]:
-        """Per layer and kind, a flat buffer that batched calls view as their ``[B, P_max]`` past.
-
-        Each call copies every row's valid prefix in; the columns past a row's length keep
-        whatever finite K/V an earlier call left there (zeros at first), which the row's mask
-        hides: masked columns must hold finite values, since ``0 * inf`` would be NaN.
-        """
-        if self._staging is None:
-            c = self.cache
-            shape = (self.max_batch * (self.max_len + 1), c.heads, c.head_dim)
-            self._staging = [np.zeros(shape, dtype=c.dtype) for _ in range(2 * self.info.num_layers)]
-        return self._staging
+        return [logits[r, :s] for r, s in zip(rows, widths)]
 
 
 def ort_element_type(dtype: np.dtype):
@@ -589,9 +631,11 @@ def probe_batch_invariance(engine: OrtEngine, seed: int = 0) -> bool:
             row = engine.forward(*inputs(i), seq=i).copy()
             alone.append((row, new_kv(i)))
         same = True
-        for order in (seqs, seqs[::-1], seqs[1:3]):
-            args = [inputs(i) for i in order]
-            rows = engine._forward_batch(order, *map(list, zip(*args)))
+        for order, given in ((seqs, False), (seqs[::-1], True), (seqs[1:3], False), (seqs[::2], True)):
+            if len(order) < 2:
+                continue
+            ids, positions, masks = map(list, zip(*[inputs(i) for i in order]))
+            rows = engine._forward_batch(order, ids, positions, masks if given else None)
             for i, row in zip(order, rows):
                 ref_row, ref_kv = alone[i]
                 kv = new_kv(i)

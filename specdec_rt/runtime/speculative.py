@@ -24,7 +24,7 @@ import numpy as np
 
 from specdec_rt.errors import ContextOverflowError, GenerationInputError
 from specdec_rt.runtime.drafters import Drafter
-from specdec_rt.runtime.engine import OrtEngine, causal_mask
+from specdec_rt.runtime.engine import OrtEngine
 from specdec_rt.runtime.sampling import (SamplingParams, accept_chain_greedy, accept_chain_sampled,
                                          probabilities, sample)
 from specdec_rt.runtime.stats import BatchStats, GenerationStats
@@ -155,15 +155,8 @@ def _step(target: OrtEngine, drafter: Drafter | None, rows: list[Row], k: int,
 
     # verify: [last committed token, drafts...] of every row in one target call
     t0 = time.perf_counter()
-    window = target.info.sliding_window
-    seqs = [r.seq for r in rows]
-    ids, positions, masks = [], [], []
-    for r, (drafts, _) in zip(rows, proposals):
-        p = target.lengths[r.seq]  # == len(r.tokens) - 1
-        ids.append(np.asarray([r.tokens[-1]] + drafts, dtype=np.int64))
-        positions.append(np.arange(p, p + len(ids[-1]), dtype=np.int64))
-        masks.append(causal_mask(p, positions[-1], window))
-    logits = target.forward_rows(seqs, ids, positions, masks)
+    ids = [np.asarray([r.tokens[-1]] + drafts, dtype=np.int64) for r, (drafts, _) in zip(rows, proposals)]
+    logits = target.forward_rows([r.seq for r in rows], ids)  # causal, at each row's own length
 
     # accept and commit, row by row
     out = []
