@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "of the single-sequence benchmark; writes batch_results.json/.md and batch_throughput.png")
     ap.add_argument("--batch-requests", type=int, default=None,
                     help="with --batch: requests per run (the prompts cycled; default twice the largest batch)")
+    ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                    help="with --batch: elapsed time, or this process's CPU time (needs --threads 1; other "
+                         "users of a shared machine do not distort it)")
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--quiet", action="store_true")
     return ap
@@ -87,7 +90,8 @@ def _batch(args, prompts: list[str], argv) -> int:
     cfg = batch.BatchBenchConfig(
         bundle=args.bundle, prompts=prompts, batches=sizes, ks=[int(k) for k in _csv(args.k)],
         auto=not args.no_auto, drafters=[d for d in _csv(args.drafter)], max_new_tokens=args.max_new_tokens,
-        requests=args.batch_requests, repeats=args.repeats, threads=args.threads, progress=not args.quiet)
+        requests=args.batch_requests, repeats=args.repeats, threads=args.threads, progress=not args.quiet,
+        clock=args.clock)
     results = batch.run_batch_bench(cfg)
     results["command"] = "specdec-bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     written = batch.write(results, Path(args.out))

@@ -71,9 +71,10 @@ class CostModel:
 
 
 def measure_engine(engine: OrtEngine, sizes: list[int], past: int = 64, reps: int = 5,
-                   width: int = 1) -> list[float]:
-    """Least-disturbed wall time of a forward call with ``width`` sequences of S new tokens each
-    (S in ``sizes``), every sequence on a ``past``-position cache."""
+                   width: int = 1, clock=time.perf_counter) -> list[float]:
+    """Least-disturbed time of a forward call with ``width`` sequences of S new tokens each
+    (S in ``sizes``), every sequence on a ``past``-position cache. ``clock``: wall time by
+    default; ``time.process_time`` measures CPU time (single-threaded runs on a shared machine)."""
     past = min(past, engine.max_len - max(sizes) - 1)
     seqs = list(range(width))
     engine.reset()
@@ -89,26 +90,27 @@ def measure_engine(engine: OrtEngine, sizes: list[int], past: int = 64, reps: in
     best = [float("inf")] * len(sizes)
     for _ in range(reps):  # round robin over S, so drift on a shared machine hits every S alike
         for i, args in enumerate(calls):
-            t0 = time.perf_counter()
+            t0 = clock()
             engine.forward_rows(*args)
-            best[i] = min(best[i], time.perf_counter() - t0)  # the least disturbed run
+            best[i] = min(best[i], clock() - t0)  # the least disturbed run
     out = best
     engine.reset()
     return list(np.maximum.accumulate(out))  # T(S) is non-decreasing; smooth out noise
 
 
-def measure_cost_model(target: OrtEngine, draft: OrtEngine | None, max_s: int = 16) -> CostModel:
+def measure_cost_model(target: OrtEngine, draft: OrtEngine | None, max_s: int = 16,
+                       clock=time.perf_counter) -> CostModel:
     # ~0.3 s on the reference pair; min over 11 round-robin passes shrugs off a noisy moment
-    t = measure_engine(target, list(range(1, max_s + 1)), past=128, reps=11)
-    d = measure_engine(draft, [1], past=128, reps=21)[0] if draft is not None else 0.0
+    t = measure_engine(target, list(range(1, max_s + 1)), past=128, reps=11, clock=clock)
+    d = measure_engine(draft, [1], past=128, reps=21, clock=clock)[0] if draft is not None else 0.0
     return CostModel(target_times=t, draft_step=d)
 
 
 def measure_width(cost: CostModel, target: OrtEngine, draft: OrtEngine | None, width: int,
-                  max_s: int = 13) -> None:
+                  max_s: int = 13, clock=time.perf_counter) -> None:
     """Add T(width, S) for S = 1..max_s and the draft step at ``width`` to ``cost``."""
-    t = measure_engine(target, list(range(1, max_s + 1)), past=128, reps=5, width=width)
-    d = measure_engine(draft, [1], past=128, reps=11, width=width)[0] if draft is not None else 0.0
+    t = measure_engine(target, list(range(1, max_s + 1)), past=128, reps=7, width=width, clock=clock)
+    d = measure_engine(draft, [1], past=128, reps=11, width=width, clock=clock)[0] if draft is not None else 0.0
     cost.widths[width] = (t, d)
 
 
@@ -209,13 +211,14 @@ def make_policy(generator, drafter: str | None, max_width: int = 1) -> AdaptiveP
     cache = generator.__dict__.setdefault("_policies", {})
     key = drafter or "none"
     draft = generator.draft_engine if drafter == "model" else None
+    clock = generator.__dict__.get("measure_clock", time.perf_counter)
     cost = generator.__dict__.get("_cost_model")
     if cost is None or (draft is not None and cost.draft_step == 0.0):
-        cost = measure_cost_model(generator.target, draft)
+        cost = measure_cost_model(generator.target, draft, clock=clock)
         generator._cost_model = cost
     for width in batch_widths(max_width):
         if width not in cost.widths or (draft is not None and cost.widths[width][1] == 0.0):
-            measure_width(cost, generator.target, draft, width)
+            measure_width(cost, generator.target, draft, width, clock=clock)
     if drafter != "model":  # prompt lookup: drafting costs (next to) nothing
         cost = CostModel(cost.target_times, 0.0, {b: (t, 0.0) for b, (t, _) in cost.widths.items()})
     policy = cache.setdefault(key, AdaptivePolicy(cost))
