@@ -239,11 +239,12 @@ def plot(results: dict, out: Path) -> list[str]:
     rows = results["rows"]
     names = list(dict.fromkeys(r["name"] for r in rows))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for name in names:
+    for i, name in enumerate(names):
         pts = sorted((r["batch"], r["tokens_per_second"], r["speedup_vs_target_only"]) for r in rows if r["name"] == name)
-        ax1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=name)
+        style = dict(color="k" if name == "target-only" else f"C{i}", label=name)
+        ax1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", **style)
         if name != "target-only":
-            ax2.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=name)
+            ax2.plot([p[0] for p in pts], [p[2] for p in pts], "o-", **style)
     ax1.set_xlabel("batch size B (concurrent prompts)")
     ax1.set_ylabel("total tokens/s")
     ax1.set_xscale("log", base=2)
