@@ -409,8 +409,9 @@ class Generator:
 
         Every row's output is what :meth:`generate` gives for that prompt with the same
         arguments: greedy rows token for token, sampled rows draw for draw with the same ``seed``
-        (with a fixed ``num_draft_tokens``; with "auto", K depends on the batch, so sampled rows
-        draw differently, from the same distribution). Each step drafts for every row, verifies
+        (with a fixed ``num_draft_tokens`` and a draft whose rows are batch-invariant; with
+        "auto", K depends on the batch, so sampled rows draw differently, from the same
+        distribution). Each step drafts for every row, verifies
         all of them in one target call and accepts per row; finished rows leave and waiting
         prompts take their place (continuous batching). ``num_draft_tokens="auto"`` chooses K
         per step from the target's measured T(B, S) surface at the batch's width B.
