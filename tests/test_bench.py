@@ -38,3 +38,25 @@ def test_bench_graphs_only_reports_cost_model_and_predictions(tiny_pair, tmp_pat
     assert set(preds) == {0.6, 0.7, 0.8}
     assert preds[0.8]["speedup"] >= preds[0.6]["speedup"] > 0  # more acceptance never predicts less
     assert "Predicted chain speedup" in (out / "results.md").read_text()
+
+
+def test_batch_bench_writes_results_table_and_plot(tiny_pair, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def add(a, b):", "x = [1, 2, 3]\n", "import os"]))
+    out = tmp_path / "bench"
+    rc = main(["--bundle", str(tiny_pair["bundle"]), "--prompts", str(prompts), "--max-new-tokens", "10",
+               "--batch", "1,2,4", "--k", "2", "--drafter", "model,prompt_lookup", "--repeats", "1",
+               "--threads", "1", "--clock", "cpu", "--out", str(out), "--quiet"])
+    assert rc == 0
+    for name in ("batch_results.json", "batch_results.md", "batch_throughput.png"):
+        assert (out / name).is_file(), name
+    res = json.loads((out / "batch_results.json").read_text())
+    names = {(r["batch"], r["name"]) for r in res["rows"]}
+    for b in (1, 2, 4):
+        assert {(b, "target-only"), (b, "model K=2"), (b, "model K=auto"), (b, "prompt_lookup K=2")} <= names
+    assert all(r["identical_to_target_only"] for r in res["rows"])
+    assert res["settings"]["requests"] == 8  # twice the largest batch
+    assert max(r["mean_width"] for r in res["rows"] if r["batch"] == 4) > 2
+    assert set(res["cost_surface"]) == {"1", "2", "4"}
+    assert "best_spec_vs_target_only" in res["goals"]["total"]
+    assert "| 4 | model K=2 |" in (out / "batch_results.md").read_text()

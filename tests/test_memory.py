@@ -25,9 +25,10 @@ def test_kv_cache_sized_from_requested_context(long_context_bundle):
     default = specdec_rt.load(long_context_bundle, threads=1)
     assert default.bundle.max_context == 8192
     assert default.max_length == 4096  # the model's maximum is never the default
-    assert default.target.cache.keys[0].shape[1] == 4096 + 1  # one spare slot for padded calls
+    # positions allocated per sequence (the stride of a batched layout follows the longest one)
+    assert default.target.cache.max_len == 4096 + 1  # one spare slot for padded calls
     small = specdec_rt.load(long_context_bundle, threads=1, max_context=64)
-    assert small.target.cache.keys[0].shape[1] == 65
+    assert small.target.cache.max_len == 65
     assert specdec_rt.load(long_context_bundle, threads=1, max_length=64).max_length == 64  # old name
     with pytest.raises(GenerationInputError, match="exceeds the bundle's context of 8192"):
         specdec_rt.load(long_context_bundle, threads=1, max_context=9000)

@@ -37,6 +37,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="only the cost model (T(S), c, predicted speedups) and, with --compare-graphs, "
                          "the graph comparison: no generation runs (for large checkpoints)")
     ap.add_argument("--peer-cache", default="out/peer-models", help="where peer model exports are cached")
+    ap.add_argument("--batch", default=None,
+                    help="batch sizes, comma separated (e.g. 1,2,4,8): measure total throughput of that many "
+                         "concurrent prompts, speculative (--k, K=auto) vs target-only at each size, instead "
+                         "of the single-sequence benchmark; writes batch_results.json/.md and batch_throughput.png")
+    ap.add_argument("--batch-requests", type=int, default=None,
+                    help="with --batch: requests per run (the prompts cycled; default twice the largest batch)")
+    ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                    help="with --batch: elapsed time, or this process's CPU time (needs --threads 1; other "
+                         "users of a shared machine do not distort it)")
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--quiet", action="store_true")
     return ap
@@ -52,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts = load_prompts(args.prompts)
         if args.num_prompts:
             prompts = prompts[: args.num_prompts]
+        if args.batch:
+            return _batch(args, prompts, argv)
         cfg = BenchConfig(
             bundle=args.bundle, prompts=prompts, max_new_tokens=args.max_new_tokens,
             ks=[int(k) for k in _csv(args.k)], drafters=_csv(args.drafter), temperature=args.temperature,
@@ -67,6 +78,29 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     return fail(run)
+
+
+def _batch(args, prompts: list[str], argv) -> int:
+    from specdec_rt.bench import batch
+    from specdec_rt.errors import GenerationInputError
+
+    try:
+        sizes = [int(b) for b in _csv(args.batch)]
+    except ValueError:
+        raise GenerationInputError(f"--batch takes batch sizes like 1,2,4,8, got {args.batch!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise GenerationInputError(f"--batch sizes must be >= 1, got {args.batch!r}")
+    cfg = batch.BatchBenchConfig(
+        bundle=args.bundle, prompts=prompts, batches=sizes, ks=[int(k) for k in _csv(args.k)],
+        auto=not args.no_auto, drafters=[d for d in _csv(args.drafter)], max_new_tokens=args.max_new_tokens,
+        requests=args.batch_requests, repeats=args.repeats, threads=args.threads, progress=not args.quiet,
+        clock=args.clock)
+    results = batch.run_batch_bench(cfg)
+    results["command"] = "specdec-bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    written = batch.write(results, Path(args.out))
+    print(written["markdown"])
+    print(f"wrote {', '.join(written['files'])} to {args.out}")
+    return 0
 
 
 if __name__ == "__main__":

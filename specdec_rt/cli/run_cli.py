@@ -1,4 +1,5 @@
-"""``specdec-run``: generate from a bundle (one prompt, a chat loop, a demo on the shipped pair)."""
+"""``specdec-run``: generate from a bundle (one prompt, a batch file, a chat loop, a demo on the
+shipped pair)."""
 from __future__ import annotations
 
 import argparse
@@ -23,6 +24,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-context", type=int, default=None,
                     help="positions (prompt + generation) to preallocate K/V for "
                          "(default: the bundle's context, at most 4096)")
+    ap.add_argument("--batch-file",
+                    help="JSONL file, one prompt per line: {\"prompt\": ...} with optional per-row "
+                         "max_new_tokens, temperature, top_k, top_p, seed, stop, do_sample, ignore_eos "
+                         "(or a bare JSON string); decoded as a batch, one JSON result per line in order")
+    ap.add_argument("--batch-size", type=int, default=None,
+                    help="with --batch-file: prompts decoding at once (default: all of them, at most 8); "
+                         "finished rows are replaced by waiting prompts")
     ap.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     ap.add_argument("--stream", action="store_true", help="print text as it is committed")
     ap.add_argument("--chat", action="store_true",
@@ -55,9 +63,15 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args) -> int:
     import specdec_rt
 
+    if args.batch_file and (args.chat or args.prompt or args.prompt_file or args.stream):
+        print("specdec-run: --batch-file excludes --prompt, --prompt-file, --chat and --stream", file=sys.stderr)
+        return 2
     gen = specdec_rt.load(args.bundle, provider=args.provider, draft_provider=args.draft_provider,
-                          threads=args.threads, shared_thread_pool=True, max_context=args.max_context)
+                          threads=args.threads, shared_thread_pool=True, max_context=args.max_context,
+                          max_batch=args.batch_size)
     kwargs = generation_kwargs(args)
+    if args.batch_file:
+        return _batch(gen, args, kwargs)
     if args.chat:
         return _chat(gen, args, kwargs)
     prompt = args.prompt
@@ -83,6 +97,42 @@ def _run(args) -> int:
         print(result.text)
         _print_stats(result.stats, sys.stderr)
     return 0
+
+
+def read_batch_file(path: str) -> list:
+    """Prompts of a JSONL batch file: objects with a "prompt" (and per-row overrides), or strings."""
+    from specdec_rt.errors import GenerationInputError
+
+    rows = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError as exc:
+            raise GenerationInputError(f"{path} line {n}: not valid JSON ({exc})") from None
+        if not isinstance(item, (str, dict)):
+            raise GenerationInputError(f"{path} line {n}: expected an object with a \"prompt\" or a string")
+        rows.append(item)
+    if not rows:
+        raise GenerationInputError(f"{path} has no prompts")
+    return rows
+
+
+def _batch(gen, args, kwargs) -> int:
+    """One JSON result per input line, in order; a failed row has "error" and the exit status
+    is then 1 (the other rows still run and print)."""
+    if kwargs.pop("speculation") != "chain":
+        print("specdec-run: --batch-file decodes chains (--speculation chain)", file=sys.stderr)
+        return 2
+    rows = read_batch_file(args.batch_file)
+    results = gen.generate_batch(rows, batch_size=args.batch_size, **kwargs)
+    for i, res in enumerate(results):
+        print(json.dumps({"index": i, **res.to_dict()}), flush=True)
+    stats = gen.last_batch_stats
+    print(f"[{stats.prompts} prompts, {stats.new_tokens} tokens, {stats.tokens_per_second:.1f} tok/s in total, "
+          f"batch width {stats.mean_width:.2f} of {stats.max_rows}, {stats.errors} failed]", file=sys.stderr)
+    return 1 if stats.errors else 0
 
 
 def _chat(gen, args, kwargs) -> int:

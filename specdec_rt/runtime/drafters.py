@@ -2,100 +2,140 @@
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from specdec_rt.runtime.engine import OrtEngine
-from specdec_rt.runtime.sampling import SamplingParams, probabilities, sample
+from specdec_rt.runtime.sampling import probabilities, sample
+
+if TYPE_CHECKING:
+    from specdec_rt.runtime.speculative import Row
+
+# A catch-up longer than this runs as the sequence's own call before a batched draft step, so a
+# long one does not widen every row of the batch (after prefill it is 1 or 2 tokens).
+BATCH_CATCH_UP = 4
 
 
 class Drafter(Protocol):
-    """Proposes up to ``k`` tokens after ``tokens``.
+    """Proposes up to ``ks[i]`` tokens after ``rows[i].tokens`` for every row of a batch.
 
-    Returns (draft tokens, q): q holds the draft's processed probabilities [len, V] when the
-    draft sampled from a distribution, or None for deterministic proposals (greedy decoding, or
-    prompt lookup).
+    Returns one (draft tokens, q) per row: q holds the draft's processed probabilities
+    [len, V] when the draft sampled from a distribution, or None for deterministic proposals
+    (greedy decoding, or prompt lookup). Each row samples with its own parameters and
+    random generator. ``seq`` names the row's sequence (its cache) in a stateful drafter.
     """
 
     name: str
 
-    def start(self, prompt: list[int]) -> None: ...
+    def start(self, prompt: list[int], seq: int = 0) -> None: ...
 
-    def propose(self, tokens: list[int], k: int, params: SamplingParams,
-                rng: np.random.Generator) -> tuple[list[int], np.ndarray | None]: ...
+    def propose(self, rows: list[Row], ks: list[int]) -> list[tuple[list[int], np.ndarray | None]]: ...
 
-    def sync(self, tokens: list[int]) -> None: ...
+    def sync(self, tokens: list[int], seq: int = 0) -> None: ...
 
 
 class ModelDrafter:
-    """A small causal LM on its own engine and cache; catches up on tokens it has not seen."""
+    """A small causal LM on its own engine and cache; catches up on tokens it has not seen.
+
+    The rows of a batch draft together: each draft step is one call over every row still
+    drafting (rows at different lengths, padded by the engine).
+    """
 
     name = "model"
 
     def __init__(self, engine: OrtEngine, target_vocab: int) -> None:
         self.engine = engine
         self.target_vocab = target_vocab
-        self._seen: list[int] = []  # tokens whose K/V are committed in the draft cache
+        # per sequence: tokens whose K/V are committed in the draft cache
+        self._seen: list[list[int]] = [[] for _ in range(getattr(engine, "max_batch", 1))]
         self.calls = 0
         self.time = 0.0
         # stop drafting once the product of the draft's top probabilities falls below this
         # (0 = always draft k tokens); set by the adaptive policy
         self.confidence_floor = 0.0
 
-    def start(self, prompt: list[int]) -> None:
-        self.engine.reset()
-        self._seen = []
+    def seen(self, seq: int = 0) -> list[int]:
+        return self._seen[seq]
 
-    def _step(self, new_tokens: list[int]) -> np.ndarray:
+    def start(self, prompt: list[int], seq: int = 0) -> None:
+        """Prefill the prompt in the sequence's own call(s), so it joins a batch with nothing
+        to catch up on but the target's first token."""
+        self.engine.reset(seq)
+        self.engine.extend(prompt, seq=seq)
+        self._seen[seq] = list(prompt)
+
+    def _step(self, pending: list[int], seq: int = 0) -> np.ndarray:
+        """Run one sequence's unseen tokens; return the last one's logits row."""
         eng = self.engine
-        if len(new_tokens) == 1:
-            row = eng.step(new_tokens[0])
-            self._seen.append(new_tokens[0])
-            self.calls += 1
-            return row
-        row = eng.extend(new_tokens)
-        self._seen.extend(new_tokens)
+        row = eng.step(pending[0], seq) if len(pending) == 1 else eng.extend(pending, seq=seq)
+        self._seen[seq].extend(pending)
         self.calls += 1
         return row
 
-    def propose(self, tokens: list[int], k: int, params: SamplingParams,
-                rng: np.random.Generator) -> tuple[list[int], np.ndarray | None]:
-        t0 = time.perf_counter()
-        room = self.engine.max_len - len(tokens)
-        k = min(k, room)
-        drafts: list[int] = []
-        qs = []
-        pending = tokens[len(self._seen):]
-        floor = self.confidence_floor
-        confidence = 1.0
-        for _ in range(k):
-            row = self._step(pending)
-            if params.greedy:
-                tok = int(np.argmax(row))
-                if floor:
-                    e = np.exp(row - row[tok])
-                    confidence /= float(e.sum())
-            else:
-                q = probabilities(row[None, :], params)[0]
-                tok = sample(q, rng)
-                qs.append(q)
-                confidence *= float(q.max())
-            drafts.append(tok)
-            pending = [tok]
-            if floor and confidence < floor:
-                break
-        self.time += time.perf_counter() - t0
-        if params.greedy or not drafts:
-            return drafts, None
-        q = np.stack(qs)
-        if q.shape[1] < self.target_vocab:  # a draft with a smaller (unpadded) vocab
-            q = np.pad(q, ((0, 0), (0, self.target_vocab - q.shape[1])))
-        return drafts, q
+    def _step_rows(self, seqs: list[int], pending: list[list[int]]) -> list[np.ndarray]:
+        """:meth:`_step` for several sequences in one call."""
+        if len(seqs) == 1:
+            return [self._step(pending[0], seqs[0])]
+        eng = self.engine
+        logits = eng.forward_rows(seqs, pending)
+        for q, t in zip(seqs, pending):
+            eng.commit(len(t), q)
+            self._seen[q].extend(t)
+        self.calls += 1
+        return [x[-1] for x in logits]
 
-    def sync(self, tokens: list[int]) -> None:
+    def propose(self, rows: list[Row], ks: list[int]) -> list[tuple[list[int], np.ndarray | None]]:
+        t0 = time.perf_counter()
+        drafts: list[list[int]] = [[] for _ in rows]
+        qs: list[list[np.ndarray]] = [[] for _ in rows]
+        confidence = [1.0] * len(rows)
+        floor = self.confidence_floor
+        pending = []
+        for row in rows:
+            todo = row.tokens[len(self._seen[row.seq]):]
+            if len(rows) > 1 and len(todo) > BATCH_CATCH_UP:
+                self._step(todo[:-1], row.seq)
+                todo = todo[-1:]
+            pending.append(todo)
+        # draft tokens must fit the draft's context
+        live = [i for i, (row, k) in enumerate(zip(rows, ks)) if min(k, self.engine.max_len - len(row.tokens)) > 0]
+        while live:
+            logits = self._step_rows([rows[i].seq for i in live], [pending[i] for i in live])
+            still = []
+            for i, x in zip(live, logits):
+                row = rows[i]
+                params = row.cfg.params
+                if params.greedy:
+                    tok = int(np.argmax(x))
+                    if floor:
+                        confidence[i] /= float(np.exp(x - x[tok]).sum())
+                else:
+                    q = probabilities(x[None, :], params)[0]
+                    tok = sample(q, row.rng)
+                    qs[i].append(q)
+                    confidence[i] *= float(q.max())
+                drafts[i].append(tok)
+                pending[i] = [tok]
+                k = min(ks[i], self.engine.max_len - len(row.tokens))
+                if len(drafts[i]) < k and not (floor and confidence[i] < floor):
+                    still.append(i)
+            live = still
+        self.time += time.perf_counter() - t0
+        out = []
+        for row, d, q in zip(rows, drafts, qs):
+            if row.cfg.params.greedy or not d:
+                out.append((d, None))
+                continue
+            q = np.stack(q)
+            if q.shape[1] < self.target_vocab:  # a draft with a smaller (unpadded) vocab
+                q = np.pad(q, ((0, 0), (0, self.target_vocab - q.shape[1])))
+            out.append((d, q))
+        return out
+
+    def sync(self, tokens: list[int], seq: int = 0) -> None:
         """Roll the draft cache back to the longest prefix it shares with ``tokens``."""
-        seen = self._seen
+        seen = self._seen[seq]
         n = min(len(seen), len(tokens))
         start = max(0, n - 64)
         keep = start
@@ -103,7 +143,7 @@ class ModelDrafter:
             keep += 1
         if keep < len(seen):
             del seen[keep:]
-            self.engine.rollback(keep)
+            self.engine.rollback(keep, seq)
 
 
 class PromptLookupDrafter:
@@ -121,15 +161,18 @@ class PromptLookupDrafter:
         self.calls = 0
         self.time = 0.0
 
-    def start(self, prompt: list[int]) -> None:
+    def start(self, prompt: list[int], seq: int = 0) -> None:
         pass
 
-    def propose(self, tokens: list[int], k: int, params: SamplingParams,
-                rng: np.random.Generator) -> tuple[list[int], np.ndarray | None]:
+    def propose(self, rows: list[Row], ks: list[int]) -> list[tuple[list[int], np.ndarray | None]]:
         t0 = time.perf_counter()
+        out = [(self.lookup(row.tokens, k) if k > 0 else [], None) for row, k in zip(rows, ks)]
+        self.time += time.perf_counter() - t0
+        return out
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
         arr = np.asarray(tokens, dtype=np.int64)
         n_tok = len(arr)
-        result: list[int] = []
         for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
             pattern = arr[n_tok - n:]
             windows = np.lib.stride_tricks.sliding_window_view(arr[:n_tok - 1], n)
@@ -137,10 +180,8 @@ class PromptLookupDrafter:
             hits = hits[hits + n < n_tok]
             if len(hits):
                 start = int(hits[-1]) + n
-                result = arr[start:start + k].tolist()
-                break
-        self.time += time.perf_counter() - t0
-        return result, None
+                return arr[start:start + k].tolist()
+        return []
 
-    def sync(self, tokens: list[int]) -> None:
+    def sync(self, tokens: list[int], seq: int = 0) -> None:
         pass

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from specdec_rt.errors import ContextOverflowError  # noqa: F401 - defined there, re-exported here
+from specdec_rt.errors import BackendUnavailableError, ContextOverflowError  # noqa: F401 - re-exported here
 from specdec_rt.runtime.bundle import ModelInfo
 from specdec_rt.runtime.kv_cache import CudaKVCache, KVCache
 from specdec_rt.runtime.providers import device_of, resolve_provider
@@ -24,6 +24,11 @@ NEG_INF = np.float32(-np.inf)
 # Long inputs (prompts) run in chunks of this many tokens: the graph returns logits for every
 # row, and a 4k-token prompt over a 152k vocabulary would otherwise need a 2.5 GB logits tensor.
 PREFILL_CHUNK = 256
+
+# Batched calls attend over the cache's whole stride (masked past each row's length): it grows in
+# steps of this many positions (a re-layout, i.e. a move of every sequence's K/V, once per
+# STRIDE_STEP tokens of the longest sequence) and shrinks back when two steps are unused.
+STRIDE_STEP = 32
 
 
 _GLOBAL_POOL: int | None = None  # intra-op size of the process-wide pool, once created
@@ -111,77 +116,124 @@ def provider_options(provider: str, bundle_root: Path | None, info: ModelInfo, m
 
 
 class EngineBase:
-    """The cache bookkeeping every engine shares: ``length`` committed positions in ``cache``.
+    """The cache bookkeeping every engine shares: ``lengths[s]`` committed positions of sequence
+    ``s`` in ``cache`` (one sequence unless the engine was built for batches, ``max_batch``).
 
-    Subclasses provide ``forward(ids, positions, mask)`` writing new K/V at [length, length + S).
+    Every method takes the sequence it acts on (``seq``, default 0: the one-sequence API, where
+    ``length`` is ``lengths[0]``). Subclasses provide ``forward(ids, positions, mask, seq)``
+    writing new K/V at [length, length + S) of that sequence.
     """
 
-    length: int
+    lengths: list[int]
     cache: KVCache
+    max_batch: int = 1
 
-    def reset(self) -> None:
-        self.length = 0
+    @property
+    def length(self) -> int:
+        """Committed positions of sequence 0."""
+        return self.lengths[0]
 
-    def rollback(self, length: int) -> None:
+    @length.setter
+    def length(self, n: int) -> None:
+        self.lengths[0] = n
+
+    def reset(self, seq: int | None = None) -> None:
+        """Forget sequence ``seq`` (every sequence if None)."""
+        if seq is None:
+            self.lengths = [0] * len(self.lengths)
+        else:
+            self.lengths[seq] = 0
+
+    def rollback(self, length: int, seq: int = 0) -> None:
         """O(1): forget everything after ``length``."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot roll back to {length} (cache holds {self.length})")
-        self.length = length
+        if not 0 <= length <= self.lengths[seq]:
+            raise ValueError(f"cannot roll back to {length} (cache holds {self.lengths[seq]})")
+        self.lengths[seq] = length
 
-    def commit(self, n: int) -> None:
+    def commit(self, n: int, seq: int = 0) -> None:
         """Keep the first ``n`` positions written by the last forward call."""
-        self.length += n
+        self.lengths[seq] += n
 
-    def compact(self, src_offsets: list[int]) -> None:
+    def compact(self, src_offsets: list[int], seq: int = 0) -> None:
         """Keep the forward call's slots ``src_offsets`` (relative to ``length``) in order."""
-        self.cache.gather_into([self.length + s for s in src_offsets], self.length)
-        self.length += len(src_offsets)
+        p = self.lengths[seq]
+        self.cache.gather_into([p + s for s in src_offsets], p, seq)
+        self.lengths[seq] = p + len(src_offsets)
 
-    def extend(self, tokens, chunk: int = PREFILL_CHUNK) -> np.ndarray:
+    def extend(self, tokens, chunk: int = PREFILL_CHUNK, seq: int = 0) -> np.ndarray:
         """Run ``tokens`` at the next positions in chunks of ``chunk`` and commit them; returns
         the last token's logits row. Chunks bound the logits output (every row's, [S, V])."""
         ids = np.asarray(tokens, dtype=np.int64)
         row = None
         for start in range(0, len(ids), chunk):
-            p = self.length
+            p = self.lengths[seq]
             part = ids[start:start + chunk]
             positions = np.arange(p, p + len(part), dtype=np.int64)
-            row = self.forward(part, positions, causal_mask(p, positions, self.info.sliding_window))[-1]
-            self.commit(len(part))
+            row = self.forward(part, positions, causal_mask(p, positions, self.info.sliding_window), seq)[-1]
+            self.commit(len(part), seq)
         return row
 
-    def step(self, token: int) -> np.ndarray:
+    def step(self, token: int, seq: int = 0) -> np.ndarray:
         """One token at the next position; returns its logits row and commits it."""
-        p = self.length
+        p = self.lengths[seq]
         pos = np.array([p], dtype=np.int64)
         row = self.forward(np.array([token], dtype=np.int64), pos,
-                           causal_mask(p, pos, self.info.sliding_window))[-1]
-        self.length = p + 1
+                           causal_mask(p, pos, self.info.sliding_window), seq)[-1]
+        self.lengths[seq] = p + 1
         return row
+
+    def forward_rows(self, seqs: list[int], ids: list, positions: list | None = None,
+                     masks: list | None = None) -> list[np.ndarray]:
+        """One call over several sequences: sequence ``seqs[i]`` gets tokens ``ids[i]`` at
+        ``positions[i]`` (default: its next positions) with ``masks[i]`` ([S_i, length + S_i],
+        as for :meth:`forward`; default: causal, the manifest's sliding window applied).
+
+        Returns each sequence's logits [S_i, V]; nothing is committed. Engines without batched
+        calls (``max_batch`` 1) take one sequence.
+        """
+        if len(seqs) != 1:
+            raise ValueError(f"this engine runs one sequence per call, got {len(seqs)}")
+        p = self.lengths[seqs[0]]
+        pos = positions[0] if positions is not None else np.arange(p, p + len(ids[0]), dtype=np.int64)
+        mask = masks[0] if masks is not None else causal_mask(p, pos, self.info.sliding_window)
+        return [self.forward(ids[0], pos, mask, seqs[0])]
 
 
 class OrtEngine(EngineBase):
-    """A model graph plus its KV cache. ``length`` is the number of committed positions."""
+    """A model graph plus its KV cache. ``lengths[s]``: committed positions of sequence s.
+
+    ``max_batch`` sequences share the cache buffers (``[max_batch, max_len + 1, Hkv, D]`` per
+    layer and kind); :meth:`forward_rows` runs several of them in one call (host cache only).
+    """
 
     def __init__(self, graph_path: str | os.PathLike, info: ModelInfo, max_len: int,
                  provider: str = "cpu", threads: int | None = None,
                  bundle_root: Path | None = None, io_binding: bool | None = None,
-                 shared_pool: bool = False) -> None:
+                 shared_pool: bool = False, max_batch: int = 1) -> None:
         self.info = info
         self.max_len = max_len
         self.provider = provider
         providers = provider_options(provider, bundle_root, info, max_len)
+        self.device = device_of(resolve_provider(provider))
+        if max_batch > 1 and self.device != "cpu":
+            raise BackendUnavailableError(
+                f"batched decoding (max_batch {max_batch}) runs on the CPU provider in this version; "
+                f"the {provider} provider decodes one sequence at a time (max_batch=1)")
         try:
             self.session = ort.InferenceSession(str(graph_path), session_options(threads, shared_pool),
                                                 providers=providers)
         except Exception as exc:  # noqa: BLE001 - surface ORT load failures as one clear error
             raise RuntimeError(f"ONNX Runtime could not load {graph_path}: {exc}") from None
-        self.device = device_of(resolve_provider(provider))
         kv_dtype = np.dtype(info.kv_dtype)
         cache_cls = KVCache if self.device == "cpu" else CudaKVCache
         # one spare slot: a single-token call padded to two rows (see ``min_rows``) writes the
         # pad row's K/V there when the cache is full
-        self.cache = cache_cls(info.num_layers, max_len + 1, info.num_kv_heads, info.head_dim, kv_dtype)
+        self.max_batch = max_batch
+        if self.device == "cpu":
+            self.cache = KVCache(info.num_layers, max_len + 1, info.num_kv_heads, info.head_dim, kv_dtype,
+                                 seqs=max_batch)
+        else:
+            self.cache = cache_cls(info.num_layers, max_len + 1, info.num_kv_heads, info.head_dim, kv_dtype)
         self.vocab_size = info.vocab_size
         self._logits = np.zeros((1, 0, info.vocab_size), dtype=np.float32)  # IO binding; grown on demand
         self._kv_elem = ort_element_type(kv_dtype)
@@ -193,9 +245,7 @@ class OrtEngine(EngineBase):
         self._ids1 = np.zeros((1, 1), dtype=np.int64)
         self._pos1 = np.zeros((1, 1), dtype=np.int64)
         self._zeros = np.zeros(max_len, dtype=np.float32)
-        if self.device == "cpu":
-            self._host_layers = [(pk, pv, self.cache.keys[i], self.cache.values[i])
-                                 for i, (pk, pv, _, _) in enumerate(self._names)]
+        self._past_names = [(pk, pv) for pk, pv, _, _ in self._names]
         # the C++ run entry point skips per-call Python-side input validation (~4 us); our
         # feeds are built to the graph's contract, and load-time checks caught the rest
         self._run = getattr(self.session, "_sess", self.session).run
@@ -203,30 +253,35 @@ class OrtEngine(EngineBase):
         # session.run over zero-copy views of the same buffers plus a copy of the S new rows
         # measured faster for small drafts (fewer Python->C++ calls per step): docs/runtime.md.
         self.io_binding = (self.device != "cpu") if io_binding is None else io_binding
-        self.length = 0
+        self.lengths = [0] * max_batch
         self.calls = 0
         self.model_time = 0.0  # seconds inside ONNX Runtime: the loop's overhead is the rest
         # Calls with fewer rows are padded to this many (see :func:`probe_row_invariance`).
         self.min_rows = 1
+        # False: forward_rows runs one sequence per call (see :func:`probe_batch_invariance`)
+        self.batch_calls = True
 
     # -- forward ----------------------------------------------------------------------------
-    def forward(self, input_ids: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        """Run S new tokens against the committed cache; return logits [S, V] (a view).
+    def forward(self, input_ids: np.ndarray, positions: np.ndarray, mask: np.ndarray,
+                seq: int = 0) -> np.ndarray:
+        """Run S new tokens of sequence ``seq`` against its committed cache; return logits
+        [S, V] (a view).
 
         New K/V land at slots [length, length + S) but are not committed until :meth:`commit`.
         """
         s = int(input_ids.shape[-1])
-        p = self.length
+        p = self.lengths[seq]
         if p + s > self.max_len:
             raise ContextOverflowError(
                 f"{p + s} positions exceed the context of {self.max_len} tokens")
+        self._fit(p + max(s, self.min_rows))
         if s < self.min_rows:
-            return self._forward_padded(input_ids, positions, mask)
-        return self._dispatch(input_ids, positions, mask, s, p)
+            return self._forward_padded(input_ids, positions, mask, seq)
+        return self._dispatch(input_ids, positions, mask, s, p, seq)
 
-    def _dispatch(self, input_ids, positions, mask, s: int, p: int) -> np.ndarray:
+    def _dispatch(self, input_ids, positions, mask, s: int, p: int, seq: int) -> np.ndarray:
         if not self.io_binding:
-            return self._forward_run(input_ids, positions, mask, s, p)
+            return self._forward_run(input_ids, positions, mask, s, p, seq)
         b = self._binding
         ids = np.ascontiguousarray(input_ids, dtype=np.int64).reshape(1, s)
         pos = np.ascontiguousarray(positions, dtype=np.int64).reshape(1, s)
@@ -238,10 +293,10 @@ class OrtEngine(EngineBase):
         past_shape = [1, p] + tail
         new_shape = [1, s] + tail
         for layer, (pk, pv, nk, nv) in enumerate(self._names):
-            b.bind_input(pk, dev, 0, elem, past_shape, cache.key_ptr(layer, 0))
-            b.bind_input(pv, dev, 0, elem, past_shape, cache.value_ptr(layer, 0))
-            b.bind_output(nk, dev, 0, elem, new_shape, cache.key_ptr(layer, p))
-            b.bind_output(nv, dev, 0, elem, new_shape, cache.value_ptr(layer, p))
+            b.bind_input(pk, dev, 0, elem, past_shape, cache.key_ptr(layer, 0, seq))
+            b.bind_input(pv, dev, 0, elem, past_shape, cache.value_ptr(layer, 0, seq))
+            b.bind_output(nk, dev, 0, elem, new_shape, cache.key_ptr(layer, p, seq))
+            b.bind_output(nv, dev, 0, elem, new_shape, cache.value_ptr(layer, p, seq))
         if self._logits.shape[1] < s:  # rows of the widest call so far (prefill chunks, trees)
             self._logits = np.zeros((1, max(s, 2 * self._logits.shape[1]), self.vocab_size), dtype=np.float32)
         b.bind_output("logits", "cpu", 0, np.float32, [1, s, self.vocab_size], self._logits.ctypes.data)
@@ -251,7 +306,8 @@ class OrtEngine(EngineBase):
         self.calls += 1
         return self._logits[0, :s]
 
-    def _forward_padded(self, input_ids: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    def _forward_padded(self, input_ids: np.ndarray, positions: np.ndarray, mask: np.ndarray,
+                        seq: int) -> np.ndarray:
         """:meth:`forward` with the call padded to ``min_rows`` rows by repeating its last row.
 
         The pad rows see what the last row sees (never themselves), so they are finite and
@@ -260,7 +316,7 @@ class OrtEngine(EngineBase):
         """
         ids = np.asarray(input_ids, dtype=np.int64).reshape(-1)
         pos = np.asarray(positions, dtype=np.int64).reshape(-1)
-        s, p, m = len(ids), self.length, self.min_rows
+        s, p, m = len(ids), self.lengths[seq], self.min_rows
         if p + m > self.max_len + 1:
             raise ContextOverflowError(f"{p + m} positions exceed the context of {self.max_len} tokens")
         mask = np.asarray(mask, dtype=np.float32).reshape(s, p + s)
@@ -269,44 +325,154 @@ class OrtEngine(EngineBase):
         padded[s:, :p + s] = mask[-1]
         ids = np.concatenate([ids, np.repeat(ids[-1:], m - s)])
         pos = np.concatenate([pos, np.repeat(pos[-1:], m - s)])
-        return self._dispatch(ids, pos, padded, m, p)[:s]
+        return self._dispatch(ids, pos, padded, m, p, seq)[:s]
 
-    def step(self, token: int) -> np.ndarray:
+    def step(self, token: int, seq: int = 0) -> np.ndarray:
         """One token at the next position (the draft's hot path); returns its logits row.
 
         Same result as ``forward([token], [length], causal_mask(...))`` without building the
         inputs: ids and position live in preallocated arrays and the all-zero mask is a view of
         a preallocated zero row. Commits the token.
         """
-        p = self.length
+        p = self.lengths[seq]
         window = self.info.sliding_window
         if self.io_binding or self.min_rows > 1 or (window and p >= window) or p + 1 > self.max_len:
-            return super().step(token)
+            return super().step(token, seq)
+        self._fit(p + 1)
         self._ids1[0, 0] = token
         self._pos1[0, 0] = p
-        row = self._forward_run(self._ids1, self._pos1, self._zeros[: p + 1], 1, p)[-1]
-        self.length = p + 1
+        row = self._forward_run(self._ids1, self._pos1, self._zeros[: p + 1], 1, p, seq)[-1]
+        self.lengths[seq] = p + 1
         return row
 
-    def _forward_run(self, input_ids, positions, mask, s: int, p: int) -> np.ndarray:
+    def _forward_run(self, input_ids, positions, mask, s: int, p: int, seq: int) -> np.ndarray:
         """Host path: past fed as zero-copy views, the S new K/V rows copied into place."""
         feeds = {
             "input_ids": np.asarray(input_ids, dtype=np.int64).reshape(1, s),
             "position_ids": np.asarray(positions, dtype=np.int64).reshape(1, s),
             "attention_mask": np.asarray(mask, dtype=np.float32).reshape(1, 1, s, p + s),
         }
-        layers = self._host_layers
-        for pk, pv, kbuf, vbuf in layers:
-            feeds[pk] = kbuf[:, :p]
-            feeds[pv] = vbuf[:, :p]
+        keys, values = self.cache.keys, self.cache.values
+        for (pk, pv), kbuf, vbuf in zip(self._past_names, keys, values):
+            feeds[pk] = kbuf[seq:seq + 1, :p]
+            feeds[pv] = vbuf[seq:seq + 1, :p]
         t0 = time.perf_counter()
         out = self._run(self._out_names, feeds, None)
         self.model_time += time.perf_counter() - t0
-        for i, (_, _, kbuf, vbuf) in enumerate(layers):
-            kbuf[:, p:p + s] = out[1 + 2 * i]
-            vbuf[:, p:p + s] = out[2 + 2 * i]
+        for i, (kbuf, vbuf) in enumerate(zip(keys, values)):
+            kbuf[seq:seq + 1, p:p + s] = out[1 + 2 * i]
+            vbuf[seq:seq + 1, p:p + s] = out[2 + 2 * i]
         self.calls += 1
         return out[0][0]
+
+    # -- batched calls --------------------------------------------------------------------
+    def _fit(self, need: int, batched: bool = False) -> None:
+        """Keep the cache's stride (positions per sequence) at least ``need`` and every
+        sequence's length; batched calls attend over the whole stride, so they also shrink it
+        back when it is far above what is needed."""
+        cache = self.cache
+        if getattr(cache, "seqs", 1) == 1:
+            return  # one sequence starts at offset 0 whatever the stride
+        need = max(need, max(self.lengths))
+        stride = cache.stride
+        if need > stride or (batched and stride >= need + 2 * STRIDE_STEP):
+            cache.restride(min(cache.max_len, -(-need // STRIDE_STEP) * STRIDE_STEP), self.lengths)
+
+    def forward_rows(self, seqs: list[int], ids: list, positions: list | None = None,
+                     masks: list | None = None) -> list[np.ndarray]:
+        """One call over several sequences (see :meth:`EngineBase.forward_rows`).
+
+        Sequences at different lengths share the call through padding expressed only in the
+        mask and positions: the past is the cache's rows ``[lo:hi, :stride]`` fed with no copy
+        (each row's mask hides the positions past its own length; a sequence in the range that
+        is not in the call runs as a dummy row), and the new tokens are ``[B, S_max]`` (a row
+        with fewer tokens repeats its last one in pad rows that see what it sees and that no
+        real row sees). A row's logits and K/V are bit for bit what it gets alone: every kernel
+        computes a row independently of the others, the attention sums over keys run in float64
+        (masked columns add exact zeros), and the call always has several rows, so the one-row
+        kernel question (``min_rows``) does not arise. Measured at load by
+        :func:`probe_batch_invariance`; where it fails, sequences run one per call.
+        """
+        if len(seqs) == 1 or not self.batch_calls:
+            if positions is None:
+                positions = [np.arange(self.lengths[q], self.lengths[q] + len(t), dtype=np.int64)
+                             for q, t in zip(seqs, ids)]
+            if masks is None:
+                masks = [causal_mask(self.lengths[q], pos, self.info.sliding_window)
+                         for q, pos in zip(seqs, positions)]
+            return [self.forward(*args) for args in zip(ids, positions, masks, seqs)]
+        return self._forward_batch(seqs, ids, positions, masks)
+
+    def _forward_batch(self, seqs: list[int], ids: list, positions: list | None,
+                       masks: list | None) -> list[np.ndarray]:
+        if self.device != "cpu":  # pragma: no cover - guarded at construction
+            raise BackendUnavailableError("batched calls run on the CPU provider only")
+        lengths = np.array([self.lengths[q] for q in seqs])
+        widths = np.array([len(x) for x in ids])
+        over = np.nonzero(lengths + widths > self.max_len)[0]
+        if len(over):
+            i = int(over[0])
+            raise ContextOverflowError(f"{lengths[i] + widths[i]} positions exceed the context of "
+                                       f"{self.max_len} tokens (sequence {seqs[i]})")
+        self._fit(int((lengths + widths).max()), batched=True)
+        cache = self.cache
+        c, smax = cache.stride, int(widths.max())
+        seq_arr = np.array(seqs)
+        lo, hi = int(seq_arr.min()), int(seq_arr.max()) + 1
+        rows = seq_arr - lo  # row of each sequence in the call
+        n = hi - lo
+        # sequences in [lo, hi) that are not in the call: dummy rows (no past, a causal block)
+        row_len = np.zeros(n, dtype=np.int64)
+        row_width = np.full(n, smax, dtype=np.int64)
+        row_len[rows], row_width[rows] = lengths, widths
+        # row r's query j holds its token min(j, S_r - 1): shorter rows repeat their last token
+        j = np.arange(smax)
+        pick = np.minimum(j[None, :], widths[:, None] - 1)
+        flat = (np.cumsum(widths) - widths)[:, None] + pick
+        ids_in = np.zeros((n, smax), dtype=np.int64)
+        pos_in = np.tile(j, (n, 1))
+        ids_in[rows] = np.concatenate(ids)[flat]
+        pos_in[rows] = lengths[:, None] + pick if positions is None else np.concatenate(positions)[flat]
+        window = self.info.sliding_window
+        if masks is None and not window:
+            # causal chains: past columns below the row's length, new column j for query i while
+            # j <= i; pad queries (i >= S_r) see what the row's last query sees
+            past = np.arange(c)[None, None, :] < row_len[:, None, None]
+            last = np.minimum(np.arange(smax)[None, :], row_width[:, None] - 1)
+            new = np.arange(smax)[None, None, :] <= last[:, :, None]
+            visible = np.concatenate([np.broadcast_to(past, (n, smax, c)), new], axis=2)
+            mask_in = np.where(visible, np.float32(0), NEG_INF)[:, None]
+        else:
+            if masks is None:
+                masks = [causal_mask(int(p), pos_in[r, :s], window) for r, p, s in zip(rows, lengths, widths)]
+            mask_in = np.full((n, 1, smax, c + smax), NEG_INF, dtype=np.float32)
+            mask_in[:, 0, :, c:] = np.triu(np.full((smax, smax), NEG_INF, dtype=np.float32), 1)
+            for r, m, p, s in zip(rows, masks, lengths, widths):
+                m = np.asarray(m, dtype=np.float32).reshape(s, p + s)
+                block = mask_in[r, 0]
+                block[:] = NEG_INF
+                block[:s, :p] = m[:, :p]
+                block[:s, c:c + s] = m[:, p:]
+                block[s:] = block[s - 1]  # pad rows see what the last real row sees
+        feeds = {"input_ids": ids_in, "position_ids": pos_in, "attention_mask": mask_in}
+        keys, values = cache.keys, cache.values
+        for (pk, pv), kbuf, vbuf in zip(self._past_names, keys, values):
+            feeds[pk] = kbuf[lo:hi]
+            feeds[pv] = vbuf[lo:hi]
+        t0 = time.perf_counter()
+        out = self._run(self._out_names, feeds, None)
+        self.model_time += time.perf_counter() - t0
+        # each row's new K/V to its own length: one scatter per layer and kind
+        take = (j[None, :] < widths[:, None]).ravel()
+        src = (rows[:, None] * smax + j[None, :]).ravel()[take]
+        dst = (np.array(seqs)[:, None] * c + lengths[:, None] + j[None, :]).ravel()[take]
+        tail = (cache.heads, cache.head_dim)
+        for layer, (kbuf, vbuf) in enumerate(zip(keys, values)):
+            kbuf.reshape(-1, *tail)[dst] = out[1 + 2 * layer].reshape(-1, *tail)[src]
+            vbuf.reshape(-1, *tail)[dst] = out[2 + 2 * layer].reshape(-1, *tail)[src]
+        self.calls += 1
+        logits = out[0]
+        return [logits[r, :s] for r, s in zip(rows, widths)]
 
 
 def ort_element_type(dtype: np.dtype):
@@ -351,17 +517,23 @@ def tree_mask(past_len: int, region: np.ndarray, positions: np.ndarray,
 
 def make_engine(graph_path: str | os.PathLike, info: ModelInfo, max_len: int, provider: str = "cpu",
                 threads: int | None = None, bundle_root: Path | None = None,
-                io_binding: bool | None = None, shared_pool: bool = False):
+                io_binding: bool | None = None, shared_pool: bool = False, max_batch: int = 1):
     """An engine for ``provider``: ONNX Runtime (cpu / cuda / tensorrt EP) or native TensorRT (trt).
 
-    Every engine has the same interface (forward / commit / rollback / compact / reset, ``length``,
-    ``max_len``, ``info``, ``cache``), so the loop never knows which one it drives.
+    Every engine has the same interface (forward / forward_rows / commit / rollback / compact /
+    reset, ``lengths``, ``max_len``, ``max_batch``, ``info``, ``cache``), so the loop never knows
+    which one it drives. ``max_batch``: sequences the cache holds (batched decoding, CPU only).
     """
     if provider.lower() == "trt":
         from specdec_rt.runtime.trt_engine import TrtEngine
 
+        if max_batch > 1:
+            raise BackendUnavailableError(
+                f"batched decoding (max_batch {max_batch}) runs on the CPU provider in this version; "
+                "the native TensorRT engines decode one sequence at a time (max_batch=1)")
         return TrtEngine(graph_path, info, max_len, bundle_root=bundle_root)
-    return OrtEngine(graph_path, info, max_len, provider, threads, bundle_root, io_binding, shared_pool)
+    return OrtEngine(graph_path, info, max_len, provider, threads, bundle_root, io_binding, shared_pool,
+                     max_batch)
 
 
 class RowInvarianceWarning(RuntimeWarning):
@@ -419,3 +591,64 @@ def probe_row_invariance(engine: OrtEngine, widths: tuple[int, ...] = (2, 3, 5, 
         chosen = 1
     engine.min_rows = chosen
     return chosen
+
+
+def probe_batch_invariance(engine: OrtEngine, seed: int = 0) -> bool:
+    """Measure whether a sequence's logits and K/V in a batched call equal, bit for bit, what it
+    gets alone; if not, warn and make :meth:`OrtEngine.forward_rows` run sequences one at a
+    time (``engine.batch_calls = False``: exact, without the batching gain). Returns the answer.
+
+    Batched calls pad: rows are at different lengths (masked past columns) and propose different
+    numbers of tokens (pad rows), and the call has more rows than any of its sequences. Measured
+    on x86 AVX2 with the fp32 and int4 graphs: no effect beyond the one-row kernel that
+    ``min_rows`` already pads (every batched call has several rows). Kernels differ per machine,
+    so this is checked where the model runs, after :func:`probe_row_invariance`.
+    """
+    n = min(engine.max_batch, 4)
+    if n < 2:
+        return True
+    rng = np.random.default_rng(seed)
+    lengths, widths = [3, 9, 5, 14][:n], [1, 4, 2, 3][:n]
+    if max(lengths) + max(widths) > engine.max_len:
+        return True
+    prompts = [rng.integers(0, engine.vocab_size, p + s) for p, s in zip(lengths, widths)]
+    sliding = engine.info.sliding_window
+    layers = sorted({0, engine.info.num_layers - 1})
+    seqs = list(range(n))
+
+    def inputs(i):
+        pos = np.arange(lengths[i], lengths[i] + widths[i], dtype=np.int64)
+        return prompts[i][lengths[i]:], pos, causal_mask(lengths[i], pos, sliding)
+
+    def new_kv(i):
+        return [engine.cache.read(layer, lengths[i], lengths[i] + widths[i], i) for layer in layers]
+
+    engine.reset()
+    try:
+        alone = []
+        for i in seqs:
+            engine.extend(prompts[i][:lengths[i]], seq=i)
+            row = engine.forward(*inputs(i), seq=i).copy()
+            alone.append((row, new_kv(i)))
+        same = True
+        for order, given in ((seqs, False), (seqs[::-1], True), (seqs[1:3], False), (seqs[::2], True)):
+            if len(order) < 2:
+                continue
+            ids, positions, masks = map(list, zip(*[inputs(i) for i in order]))
+            rows = engine._forward_batch(order, ids, positions, masks if given else None)
+            for i, row in zip(order, rows):
+                ref_row, ref_kv = alone[i]
+                kv = new_kv(i)
+                same &= np.array_equal(row, ref_row) and all(
+                    np.array_equal(a, b) for x, y in zip(kv, ref_kv) for a, b in zip(x, y))
+    finally:
+        engine.reset()
+    engine.batch_calls = same
+    if not same:
+        import warnings
+
+        warnings.warn(
+            f"the {engine.info.role} graph's logits for a sequence change when it shares a call with "
+            f"other sequences on the {engine.provider} provider: batched decoding runs one sequence per "
+            "call (exact, without the batching gain)", RowInvarianceWarning, stacklevel=2)
+    return same

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -13,12 +14,13 @@ from specdec_rt.errors import ChatTemplateError, GenerationInputError  # noqa: F
 from specdec_rt.runtime.bundle import Bundle, BundleError, load_bundle
 from specdec_rt.runtime.chat import NO_TEMPLATE, ChatTemplate
 from specdec_rt.runtime.drafters import Drafter, ModelDrafter, PromptLookupDrafter
-from specdec_rt.runtime.engine import ContextOverflowError, make_engine, probe_row_invariance
+from specdec_rt.runtime.engine import (ContextOverflowError, make_engine, probe_batch_invariance,
+                                      probe_row_invariance)
 from specdec_rt.runtime.gen_config import GenerationDefaults
 from specdec_rt.runtime.memory import peak_rss_bytes, reset_peak_rss
 from specdec_rt.runtime.sampling import SamplingParams, SamplingParamsError
-from specdec_rt.runtime.speculative import LoopConfig, run_chain
-from specdec_rt.runtime.stats import GenerationStats
+from specdec_rt.runtime.speculative import LoopConfig, Row, run_batch, run_chain
+from specdec_rt.runtime.stats import BatchStats, GenerationStats
 from specdec_rt.runtime.tokenizer import IncrementalDecoder, TextTokenizer
 
 DRAFTERS = ("model", "prompt_lookup")
@@ -29,15 +31,82 @@ class GenerationResult:
     text: str
     token_ids: list[int]
     stats: GenerationStats
-    finish_reason: str = "length"  # "length" | "eos" | "stop" | "context"
+    finish_reason: str = "length"  # "length" | "eos" | "stop" | "context" (batches: | "error" | "cancelled")
     prompt_token_ids: list[int] = field(default_factory=list)
+    error: str | None = None  # batches: why this row failed (finish_reason "error")
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "stats": self.stats.to_dict()}
+        d = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+             "stats": self.stats.to_dict()}
+        if self.error is not None:
+            d["error"] = self.error
+        return d
 
 
 DEFAULT_CONTEXT = 4096
+
+
+class TextAssembler:
+    """One sequence's text as its tokens are committed: incremental detokenization, with text
+    that may be the start of a stop string withheld until it cannot be.
+
+    ``push`` returns the text that can be emitted now; ``stopped`` turns true when a stop string
+    completed (the text before it has been emitted, the rest is dropped); ``close`` returns what
+    is still held at the end. ``finish``: "length", "eos" or "stop".
+    """
+
+    def __init__(self, tokenizer: TextTokenizer, stops: list[str], eos_ids: Sequence[int]) -> None:
+        self.decoder = IncrementalDecoder(tokenizer)
+        self.stops = stops
+        self.eos_ids = set(eos_ids)
+        self.held = ""  # text withheld because it may be the start of a stop string
+        self.finish = "length"
+        self.stopped = False
+
+    def _cut(self) -> int:
+        return min((self.held.find(s) for s in self.stops if s in self.held), default=-1)
+
+    def push(self, new: list[int]) -> str:
+        piece = self.decoder.push(new)
+        if new and new[-1] in self.eos_ids:
+            self.finish = "eos"
+        if not self.stops:
+            return piece
+        self.held += piece
+        cut = self._cut()
+        if cut >= 0:
+            self.finish, self.stopped = "stop", True
+            return self.held[:cut]
+        keep = max(len(s) for s in self.stops) - 1  # a stop string may still be completing
+        split = max(0, len(self.held) - keep)
+        piece, self.held = self.held[:split], self.held[split:]
+        return piece
+
+    def close(self) -> str:
+        tail = self.decoder.flush()
+        if not self.stops:
+            return tail
+        self.held += tail
+        cut = self._cut()
+        if cut >= 0:
+            self.held, self.finish = self.held[:cut], "stop"
+        held, self.held = self.held, ""
+        return held
+
+
+DEFAULT_MAX_BATCH = 8
+
+
+def resolve_max_batch(requested: int | None, provider: str, draft_provider: str | None) -> int:
+    """Sequences the K/V caches hold for batched decoding: what was asked, else 8 on the CPU
+    provider (host buffers from calloc: unused sequences cost no resident memory) and 1 on GPU
+    providers (batched calls run on the CPU provider only in this version)."""
+    cpu = all(p is None or p.lower() == "cpu" for p in (provider, draft_provider))
+    if requested is None:
+        return DEFAULT_MAX_BATCH if cpu else 1
+    if isinstance(requested, bool) or not isinstance(requested, (int, np.integer)) or requested < 1:
+        raise GenerationInputError(f"max_batch must be an integer >= 1, got {requested!r}")
+    return int(requested)
 
 
 def resolve_context(bundle_max: int, requested: int | None) -> int:
@@ -64,21 +133,24 @@ class Generator:
                  threads: int | None = None, max_length: int | None = None,
                  io_binding: bool | None = None, draft_threads: int | None = 1,
                  shared_thread_pool: bool = False, probe_rows: bool = True,
-                 max_context: int | None = None) -> None:
+                 max_context: int | None = None, max_batch: int | None = None) -> None:
         self.bundle = bundle
         self.max_length = resolve_context(bundle.max_context, max_context or max_length)
+        self.max_batch = resolve_max_batch(max_batch, provider, draft_provider if bundle.draft else None)
         self.tokenizer = TextTokenizer(bundle.tokenizer_path)
         self.target = make_engine(bundle.graph_path("target"), bundle.target, self.max_length, provider,
-                                threads, bundle.root, io_binding, shared_thread_pool)
+                                threads, bundle.root, io_binding, shared_thread_pool, self.max_batch)
         self.draft_engine = None
         if bundle.draft is not None:
             self.draft_engine = make_engine(bundle.graph_path("draft"), bundle.draft, self.max_length,
                                           draft_provider or provider, draft_threads or threads,
-                                          bundle.root, io_binding, shared_thread_pool)
+                                          bundle.root, io_binding, shared_thread_pool, self.max_batch)
         self.vocab_size = bundle.target.vocab_size
         self.eos_token_ids = tuple(bundle.eos_token_ids)
         if probe_rows and hasattr(self.target, "min_rows"):
             probe_row_invariance(self.target)  # exactness: pads 1-row calls where kernels differ
+            # exactness of batches: a sequence's bits must not depend on who shares its call
+            probe_batch_invariance(self.target)
         self.chat_template = (ChatTemplate(bundle.chat_template, bundle.special_token_strings)
                               if bundle.chat_template is not None else None)
         self.generation_defaults = GenerationDefaults.from_config(bundle.generation_config)
@@ -126,38 +198,47 @@ class Generator:
             return PromptLookupDrafter()
         raise GenerationInputError(f"unknown drafter '{drafter}'; choose one of {DRAFTERS} or None")
 
-    def _loop(self, prompt_ids: list[int], max_new_tokens: int, temperature: float | None,
-              top_k: int | None, top_p: float | None, seed: int | None, num_draft_tokens: int | str,
-              drafter: str | None, speculation: str, do_sample: bool | None, ignore_eos: bool,
-              stats: GenerationStats, tree_shape=None) -> Iterator[list[int]]:
+    def _row_config(self, max_new_tokens: int, temperature: float | None, top_k: int | None,
+                    top_p: float | None, do_sample: bool | None, ignore_eos: bool) -> LoopConfig:
+        """One sequence's limits and sampling, validated, bundle defaults applied."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
             raise GenerationInputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         temperature, top_k, top_p = self.generation_defaults.resolve(temperature, top_k, top_p, do_sample)
         SamplingParams(temperature, top_k, top_p)  # validates before converting
         params = SamplingParams(float(temperature), int(top_k), float(top_p))
+        return LoopConfig(max_new_tokens=int(max_new_tokens), params=params,
+                          eos_token_ids=self.eos_token_ids, ignore_eos=bool(ignore_eos))
+
+    def _speculation(self, num_draft_tokens: int | str, drafter: str | None, speculation: str,
+                     width: int = 1) -> tuple[int, object, Drafter | None]:
+        """(fixed K, adaptive policy or None, drafter) for a generation of ``width`` sequences."""
         policy = None
+        k = 0
         if num_draft_tokens == "auto" and speculation == "chain":
             from specdec_rt.runtime.policy import make_policy
 
-            policy = make_policy(self, drafter)
-            k = 0
+            policy = make_policy(self, drafter, width)
         elif num_draft_tokens != "auto":
             if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, (int, np.integer)) \
                     or not 0 <= num_draft_tokens <= 64:
                 raise GenerationInputError(f"num_draft_tokens must be 0..64 or 'auto', got {num_draft_tokens!r}")
             k = int(num_draft_tokens)
-        else:
-            k = 0
         d = self._drafter(drafter)
         if policy is not None and isinstance(d, ModelDrafter) and policy.use_confidence_stop:
             d.confidence_floor = policy.confidence_floor()
+        return k, policy, d
+
+    def _loop(self, prompt_ids: list[int], max_new_tokens: int, temperature: float | None,
+              top_k: int | None, top_p: float | None, seed: int | None, num_draft_tokens: int | str,
+              drafter: str | None, speculation: str, do_sample: bool | None, ignore_eos: bool,
+              stats: GenerationStats, tree_shape=None) -> Iterator[list[int]]:
+        cfg = self._row_config(max_new_tokens, temperature, top_k, top_p, do_sample, ignore_eos)
+        cfg.num_draft_tokens, cfg.policy, d = self._speculation(num_draft_tokens, drafter, speculation)
         stats.prompt_tokens = len(prompt_ids)
         stats.drafter = None if d is None else d.name
         stats.speculation = speculation
         stats.num_draft_tokens = num_draft_tokens
         rng = np.random.default_rng(seed)
-        cfg = LoopConfig(max_new_tokens=int(max_new_tokens), params=params, num_draft_tokens=k,
-                         eos_token_ids=self.eos_token_ids, ignore_eos=ignore_eos, policy=policy)
         if speculation == "chain":
             inner = run_chain(self.target, d, prompt_ids, cfg, rng, stats)
         elif speculation == "tree":
@@ -196,48 +277,28 @@ class Generator:
         stats = GenerationStats()
         res = result if result is not None else GenerationResult("", [], stats)
         res.stats, res.prompt_token_ids, res.token_ids, res.text = stats, prompt_ids, [], ""
-        decoder = IncrementalDecoder(self.tokenizer)
-        held = ""  # text withheld because it may be the start of a stop string
-        finish = "length"
+        text = TextAssembler(self.tokenizer, stops, () if ignore_eos else self.eos_token_ids)
         for new in self._loop(prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
                               num_draft_tokens, drafter, speculation, do_sample, ignore_eos, stats,
                               tree_shape):
             res.token_ids.extend(new)
-            piece = decoder.push(new)
-            if new and new[-1] in self.eos_token_ids and not ignore_eos:
-                finish = "eos"
-            if stops:
-                held += piece
-                cut = min((held.find(s) for s in stops if s in held), default=-1)
-                if cut >= 0:
-                    res.text += held[:cut]
-                    if held[:cut]:
-                        yield held[:cut]
-                    finish = "stop"
-                    break
-                keep = max(len(s) for s in stops) - 1  # a stop string may still be completing
-                split = max(0, len(held) - keep)
-                piece, held = held[:split], held[split:]
+            piece = text.push(new)
             if piece:
                 res.text += piece
                 yield piece
+            if text.stopped:
+                break
         else:
-            tail = decoder.flush()
-            if stops:
-                held += tail
-                cut = min((held.find(s) for s in stops if s in held), default=-1)
-                if cut >= 0:
-                    held, finish = held[:cut], "stop"
-            elif tail:
+            tail = text.close()
+            if tail:
                 res.text += tail
                 yield tail
-            if held:
-                res.text += held
-                yield held
-            if finish == "length" and len(prompt_ids) + len(res.token_ids) >= self.max_length \
-                    and len(res.token_ids) < max_new_tokens:
-                finish = "context"
-        res.finish_reason = finish
+        res.finish_reason = self._finish_reason(text, len(prompt_ids), len(res.token_ids), max_new_tokens)
+
+    def _finish_reason(self, text: TextAssembler, prompt_len: int, generated: int, max_new_tokens: int) -> str:
+        if text.finish == "length" and prompt_len + generated >= self.max_length and generated < max_new_tokens:
+            return "context"
+        return text.finish
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
@@ -278,6 +339,98 @@ class Generator:
             out.extend(new)
         self.last_stats = stats
         return out
+
+    # -- batches ------------------------------------------------------------------------------
+    def stream_batch(self, prompts: Sequence, max_new_tokens: int = 128, *, batch_size: int | None = None,
+                     temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                     seed: int | None = None, num_draft_tokens: int | str = 4, drafter: str | None = "model",
+                     stop: Sequence[str] | str | None = None, do_sample: bool | None = None,
+                     ignore_eos: bool = False) -> BatchStream:
+        """:meth:`generate_batch` as it runs: iterate the returned :class:`BatchStream` for
+        ``(index, text piece)`` pairs; its ``results`` fill in as rows progress and
+        ``cancel(index)`` ends one row (the others are not affected)."""
+        if isinstance(prompts, (str, bytes, dict)) or not isinstance(prompts, Sequence):
+            raise GenerationInputError("prompts must be a list of prompts (text, token ids, or dicts)")
+        if not prompts:
+            raise GenerationInputError("the prompt list is empty")
+        width = min(len(prompts), self.max_batch) if batch_size is None else batch_size
+        if isinstance(width, bool) or not isinstance(width, (int, np.integer)) or width < 1:
+            raise GenerationInputError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        if width > self.max_batch:
+            raise GenerationInputError(
+                f"batch_size {width} exceeds this generator's maximum of {self.max_batch} sequences "
+                f"(load(..., max_batch={width}) on the CPU provider; GPU providers run one at a time)")
+        k, policy, d = self._speculation(num_draft_tokens, drafter, "chain", width)
+        defaults = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        seed=seed, stop=stop, do_sample=do_sample, ignore_eos=ignore_eos)
+        rows: list[Row | None] = []
+        results: list[GenerationResult] = []
+        texts: list[TextAssembler | None] = []
+        for i, item in enumerate(prompts):
+            stats = GenerationStats(drafter=None if d is None else d.name, speculation="chain",
+                                    num_draft_tokens=num_draft_tokens)
+            res = GenerationResult("", [], stats)
+            results.append(res)
+            try:
+                opts = dict(defaults)
+                if isinstance(item, dict):
+                    unknown = sorted(set(item) - {"prompt", *defaults})
+                    if unknown or "prompt" not in item:
+                        raise GenerationInputError(
+                            f"a prompt dict needs 'prompt' and may set {', '.join(defaults)}"
+                            + (f"; unknown: {', '.join(unknown)}" if unknown else ""))
+                    opts.update((key, v) for key, v in item.items() if key != "prompt")
+                    item = item["prompt"]
+                ids = self._prompt_ids(item)
+                cfg = self._row_config(opts["max_new_tokens"], opts["temperature"], opts["top_k"],
+                                       opts["top_p"], opts["do_sample"], opts["ignore_eos"])
+            except (GenerationInputError, ContextOverflowError, SamplingParamsError) as exc:
+                res.error, res.finish_reason = f"{type(exc).__name__}: {exc}", "error"
+                rows.append(None)
+                texts.append(None)
+                continue
+            stats.prompt_tokens = len(ids)
+            res.prompt_token_ids = ids
+            cfg.num_draft_tokens = k
+            rows.append(Row(ids, cfg, np.random.default_rng(opts["seed"]), stats, index=i))
+            stops = opts["stop"]
+            stops = [stops] if isinstance(stops, str) else list(stops or [])
+            texts.append(TextAssembler(self.tokenizer, stops, () if cfg.ignore_eos else self.eos_token_ids))
+        return BatchStream(self, rows, results, texts, width, k, policy, d)
+
+    def generate_batch(self, prompts: Sequence, max_new_tokens: int = 128, *, batch_size: int | None = None,
+                       temperature: float | None = None, top_k: int | None = None,
+                       top_p: float | None = None, seed: int | None = None,
+                       num_draft_tokens: int | str = 4, drafter: str | None = "model",
+                       stop: Sequence[str] | str | None = None, do_sample: bool | None = None,
+                       ignore_eos: bool = False) -> list[GenerationResult]:
+        """Complete many prompts with up to ``batch_size`` of them decoding at once (default:
+        all of them, at most :attr:`max_batch`); returns one result per prompt, in order.
+
+        Every row's output is what :meth:`generate` gives for that prompt with the same
+        arguments: greedy rows token for token, sampled rows draw for draw with the same ``seed``
+        (with a fixed ``num_draft_tokens`` and a draft whose rows are batch-invariant; with
+        "auto", K depends on the batch, so sampled rows draw differently, from the same
+        distribution). Each step drafts for every row, verifies
+        all of them in one target call and accepts per row; finished rows leave and waiting
+        prompts take their place (continuous batching). ``num_draft_tokens="auto"`` chooses K
+        per step from the target's measured T(B, S) surface at the batch's width B.
+
+        A prompt is text, token ids, or a dict ``{"prompt": ..., <argument>: value}`` that
+        overrides ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``,
+        ``do_sample`` or ``ignore_eos`` for that row. A row whose input is bad (empty, too long
+        for the context, bad sampling values) gets ``finish_reason="error"`` and the message in
+        ``error``; the others run. ``last_batch_stats`` holds the batch's totals.
+        """
+        run = self.stream_batch(prompts, max_new_tokens, batch_size=batch_size, temperature=temperature,
+                                top_k=top_k, top_p=top_p, seed=seed, num_draft_tokens=num_draft_tokens,
+                                drafter=drafter, stop=stop, do_sample=do_sample, ignore_eos=ignore_eos)
+        for _ in run:
+            pass
+        for res, text in zip(run.results, run.texts):
+            if text is not None and not text.stops and res.finish_reason != "error":
+                res.text = self.tokenizer.decode(res.token_ids)
+        return run.results
 
     # -- chat ---------------------------------------------------------------------------------
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
@@ -328,11 +481,92 @@ class Generator:
         return self.generate(ids, max_new_tokens, **kwargs)
 
 
+class BatchStream:
+    """A running batch (:meth:`Generator.stream_batch`). Iterating yields ``(index, text piece)``
+    as rows commit tokens; ``results[index]`` fills in meanwhile (final once the row is done);
+    ``cancel(index)`` ends one row (``finish_reason="cancelled"``) without changing any other
+    row's tokens; ``stats`` holds the batch's totals."""
+
+    def __init__(self, gen: Generator, rows: list[Row | None], results: list[GenerationResult],
+                 texts: list[TextAssembler | None], width: int, k: int, policy, drafter: Drafter | None) -> None:
+        self.gen = gen
+        self.rows = rows
+        self.results = results
+        self.texts = texts
+        self.stats = BatchStats(prompts=len(rows), max_rows=width)
+        self.stats.errors = sum(r is None for r in rows)
+        self._closed = [r is None for r in rows]
+        self._events = self._run(width, k, policy, drafter)
+
+    def __iter__(self) -> BatchStream:
+        return self
+
+    def __next__(self) -> tuple[int, str]:
+        return next(self._events)
+
+    def cancel(self, index: int) -> None:
+        """End row ``index`` now (its text so far stays); a row not started yet never starts."""
+        row = self.rows[index]
+        if row is None or self._closed[index]:
+            return
+        row.finished = "cancelled"
+        self._close(row)
+
+    def _close(self, row: Row) -> str:
+        """Final text and finish reason of a row that finished; returns text still to emit."""
+        if self._closed[row.index]:
+            return ""
+        self._closed[row.index] = True
+        res, text = self.results[row.index], self.texts[row.index]
+        if row.error is not None:
+            res.error, res.finish_reason = f"{type(row.error).__name__}: {row.error}", "error"
+            self.stats.errors += 1
+            return ""
+        tail = "" if text.stopped else text.close()
+        res.text += tail
+        if row.finished == "cancelled":
+            res.finish_reason = "cancelled"
+        else:
+            res.finish_reason = self.gen._finish_reason(text, len(row.prompt), len(res.token_ids),
+                                                        row.cfg.max_new_tokens)
+        row.stats.peak_rss_bytes = peak_rss_bytes()
+        return tail
+
+    def _run(self, width: int, k: int, policy, drafter: Drafter | None) -> Iterator[tuple[int, str]]:
+        gen, stats = self.gen, self.stats
+        t0 = time.perf_counter()
+        reset_peak_rss()
+        queue = (r for r in self.rows if r is not None and not r.finished)
+        try:
+            for row, new in run_batch(gen.target, drafter, queue, width, k, policy, stats):
+                i = row.index
+                if self._closed[i]:
+                    continue
+                self.results[i].token_ids.extend(new)
+                stats.new_tokens += len(new)
+                text = self.texts[i]
+                piece = text.push(new) if new else ""
+                if piece:
+                    self.results[i].text += piece
+                    yield i, piece
+                if text.stopped and not row.finished:
+                    row.finished = "stop"
+                if row.finished:
+                    tail = self._close(row)
+                    if tail:
+                        yield i, tail
+        finally:
+            stats.time_total = time.perf_counter() - t0
+            stats.peak_rss_bytes = peak_rss_bytes()
+            gen.last_batch_stats = stats
+
+
 def load(bundle: str | os.PathLike, provider: str = "cpu", draft_provider: str | None = None,
          threads: int | None = None, max_length: int | None = None,
          verify_checksums: bool = True, io_binding: bool | None = None,
          draft_threads: int | None = 1, shared_thread_pool: bool = False,
-         probe_rows: bool = True, max_context: int | None = None) -> Generator:
+         probe_rows: bool = True, max_context: int | None = None,
+         max_batch: int | None = None) -> Generator:
     """Load a bundle. ``provider``: "cpu" | "cuda" | "tensorrt"; the draft may use another one.
 
     ``io_binding``: bind the KV buffers by pointer (default on GPUs; on CPU the default feeds
@@ -347,13 +581,18 @@ def load(bundle: str | os.PathLike, provider: str = "cpu", draft_provider: str |
     ``probe_rows``: measure at load whether the target computes a token's logits bit for bit
     alike in a one-row call and in a verify call, and pad one-row calls to two rows where it
     does not (int4 MatMulNBits on CPU): what keeps greedy speculation token-identical to
-    target-only decoding (:func:`specdec_rt.runtime.engine.probe_row_invariance`).
+    target-only decoding (:func:`specdec_rt.runtime.engine.probe_row_invariance`), and whether a
+    sequence's logits are the same in a batched call as alone (if not, batches run one sequence
+    per call: :func:`specdec_rt.runtime.engine.probe_batch_invariance`).
+    ``max_batch``: sequences :meth:`Generator.generate_batch` may run at once (default 8 on the
+    CPU provider, 1 on GPU providers, where batched calls are not implemented yet).
     """
     b = load_bundle(bundle, verify_checksums=verify_checksums)
     return Generator(b, provider=provider, draft_provider=draft_provider, threads=threads,
                      max_length=max_length, io_binding=io_binding, draft_threads=draft_threads,
                      shared_thread_pool=shared_thread_pool, probe_rows=probe_rows,
-                     max_context=max_context)
+                     max_context=max_context, max_batch=max_batch)
 
 
-__all__ = ["load", "Generator", "GenerationResult", "GenerationStats", "BundleError"]
+__all__ = ["load", "Generator", "GenerationResult", "GenerationStats", "BatchStats", "BatchStream",
+           "BundleError"]

@@ -1,9 +1,19 @@
 """Preallocated per-layer KV buffers addressed by pointer, on the host or on a CUDA device.
 
-Layout per layer and kind: ``[1, max_len, Hkv, D]`` (batch 1, sequence-major). With batch 1 the
-valid prefix ``[:, :P]`` is one contiguous block, so the past is fed to ONNX Runtime by pointer
-with no copy, and the graph's new K/V outputs are bound straight at byte offset ``P`` of the same
-buffer. Rolling back is setting ``P``: rejected tokens were never committed.
+Layout per layer and kind: ``[seqs, stride, Hkv, D]``, sequence-major: one sequence per batch
+row (``seqs`` is 1 unless batched decoding is enabled), position i of sequence s at ``[s, i]``. A
+sequence's valid prefix ``[s, :P]`` is one contiguous block, so a one-sequence call feeds the past
+to ONNX Runtime by pointer with no copy, and the graph's new K/V outputs are bound straight at
+byte offset ``P`` of the same buffer. Rolling back is setting the sequence's ``P``: rejected
+tokens were never committed.
+
+Batched calls feed a range of sequences ``[lo:hi, :stride]`` as their past, also with no copy
+(each row's mask hides the positions past its own length), so ``stride`` (positions per
+sequence in the buffer) follows the longest sequence instead of the context: the host cache is
+re-laid out (:meth:`KVCache.restride`, a move of every sequence's valid prefix) when a sequence
+outgrows it, in steps of 64 positions. With one sequence the stride never matters (sequence 0
+starts at offset 0). Host buffers come from ``np.zeros`` (calloc): what a run never touches costs
+no resident memory.
 """
 from __future__ import annotations
 
@@ -27,26 +37,50 @@ class KVCache:
     device = "cpu"
 
     def __init__(self, num_layers: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: np.dtype) -> None:
+                 dtype: np.dtype, seqs: int = 1) -> None:
         set_layout(self, num_layers, max_len, num_kv_heads, head_dim, dtype)
-        shape = (1, max_len, num_kv_heads, head_dim)
-        # one allocation per layer and kind, for the life of the engine
-        self.keys = [np.zeros(shape, dtype=self.dtype) for _ in range(num_layers)]
-        self.values = [np.zeros(shape, dtype=self.dtype) for _ in range(num_layers)]
-        self._key_ptrs = [a.ctypes.data for a in self.keys]
-        self._value_ptrs = [a.ctypes.data for a in self.values]
+        self.seqs = seqs
+        # one allocation per layer and kind, for the life of the engine: [K0, V0, K1, V1, ...]
+        size = seqs * max_len * num_kv_heads * head_dim
+        self._flat = [np.zeros(size, dtype=self.dtype) for _ in range(2 * num_layers)]
+        self._key_ptrs = [f.ctypes.data for f in self._flat[0::2]]
+        self._value_ptrs = [f.ctypes.data for f in self._flat[1::2]]
+        self._set_stride(max_len)
 
-    def key_ptr(self, layer: int, offset: int) -> int:
-        return self._key_ptrs[layer] + offset * self.token_bytes
+    def _set_stride(self, stride: int) -> None:
+        self.stride = stride
+        shape = (self.seqs, stride, self.heads, self.head_dim)
+        n = self.seqs * stride * self.heads * self.head_dim
+        views = [f[:n].reshape(shape) for f in self._flat]
+        self.keys, self.values = views[0::2], views[1::2]
 
-    def value_ptr(self, layer: int, offset: int) -> int:
-        return self._value_ptrs[layer] + offset * self.token_bytes
+    def restride(self, stride: int, lengths: list[int]) -> None:
+        """Lay sequences out ``stride`` positions apart, keeping sequence s's first
+        ``lengths[s]`` positions (every length must fit the new stride)."""
+        old = self.stride
+        if stride == old:
+            return
+        tok = self.heads * self.head_dim
+        # growing moves sequences to higher addresses: last first; shrinking: first first
+        order = range(self.seqs - 1, 0, -1) if stride > old else range(1, self.seqs)
+        for f in self._flat:
+            for q in order:
+                n = lengths[q] * tok
+                if n:
+                    f[q * stride * tok:q * stride * tok + n] = f[q * old * tok:q * old * tok + n]
+        self._set_stride(stride)
 
-    def read(self, layer: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+    def key_ptr(self, layer: int, offset: int, seq: int = 0) -> int:
+        return self._key_ptrs[layer] + (seq * self.stride + offset) * self.token_bytes
+
+    def value_ptr(self, layer: int, offset: int, seq: int = 0) -> int:
+        return self._value_ptrs[layer] + (seq * self.stride + offset) * self.token_bytes
+
+    def read(self, layer: int, start: int, stop: int, seq: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Copies of K and V for positions [start, stop) (for tests and debugging)."""
-        return self.keys[layer][0, start:stop].copy(), self.values[layer][0, start:stop].copy()
+        return self.keys[layer][seq, start:stop].copy(), self.values[layer][seq, start:stop].copy()
 
-    def gather_into(self, src_slots: list[int], dst_start: int) -> None:
+    def gather_into(self, src_slots: list[int], dst_start: int, seq: int = 0) -> None:
         """Move K/V of ``src_slots`` to consecutive slots from ``dst_start`` (tree compaction).
 
         Sources are always at or after their destinations (accepted path nodes are compacted
@@ -57,8 +91,8 @@ class KVCache:
             if src == dst:
                 continue
             for layer in range(self.num_layers):
-                self.keys[layer][0, dst] = self.keys[layer][0, src]
-                self.values[layer][0, dst] = self.values[layer][0, src]
+                self.keys[layer][seq, dst] = self.keys[layer][seq, src]
+                self.values[layer][seq, dst] = self.values[layer][seq, src]
 
 
 class CudaKVCache(KVCache):
@@ -75,6 +109,8 @@ class CudaKVCache(KVCache):
         import onnxruntime as ort
 
         set_layout(self, num_layers, max_len, num_kv_heads, head_dim, dtype)
+        self.seqs = 1  # batched decoding (several sequences) runs on the host cache only
+        self.stride = max_len
         self.device_id = device_id
         shape = [1, max_len, num_kv_heads, head_dim]
         alloc = lambda: ort.OrtValue.ortvalue_from_shape_and_type(shape, self.dtype, "cuda", device_id)  # noqa: E731
@@ -83,12 +119,12 @@ class CudaKVCache(KVCache):
         self._key_ptrs = [v.data_ptr() for v in self.keys]
         self._value_ptrs = [v.data_ptr() for v in self.values]
 
-    def read(self, layer: int, start: int, stop: int):  # pragma: no cover - needs a GPU
+    def read(self, layer: int, start: int, stop: int, seq: int = 0):  # pragma: no cover - needs a GPU
         k = self.keys[layer].numpy()[0, start:stop].copy()
         v = self.values[layer].numpy()[0, start:stop].copy()
         return k, v
 
-    def gather_into(self, src_slots: list[int], dst_start: int) -> None:  # pragma: no cover
+    def gather_into(self, src_slots: list[int], dst_start: int, seq: int = 0) -> None:  # pragma: no cover
         try:
             from cuda.bindings import runtime as cudart
         except ImportError:

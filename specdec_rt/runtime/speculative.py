@@ -1,25 +1,41 @@
 """The decoding loop: prefill, then draft -> verify -> accept -> commit until done.
 
-Invariant: the target cache holds every committed token except the last one, which is the first
-input of the next verify call. Greedy output is token-for-token target-only greedy; sampled
-output follows the target's processed distribution exactly.
+One loop serves one sequence and a batch of them alike: a batch is a list of rows (:class:`Row`),
+each with its own tokens, limits, sampling parameters and random generator, and every step
+drafts for all rows, verifies all of them in one target call and accepts per row. Decoding one
+prompt is a batch of one row (:func:`run_chain`). Rows join and leave between steps (continuous
+batching): a finished row's cache sequence goes to the next waiting prompt, whose prefill runs
+as its own call before it joins the batched steps.
+
+Invariant, per row: the target cache holds every committed token except the last one, which is
+the first input of the next verify call. Greedy output is token-for-token target-only greedy;
+sampled output follows the target's processed distribution exactly. A row's logits are bit for
+bit the same in a batch as alone (:func:`specdec_rt.runtime.engine.probe_batch_invariance`), and
+each row draws from its own generator in the same order as alone, so with a fixed K a row's
+output does not depend on the other rows at all.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Protocol
 
 import numpy as np
 
+from specdec_rt.errors import ContextOverflowError, GenerationInputError
 from specdec_rt.runtime.drafters import Drafter
-from specdec_rt.runtime.engine import OrtEngine, causal_mask
+from specdec_rt.runtime.engine import OrtEngine
 from specdec_rt.runtime.sampling import (SamplingParams, accept_chain_greedy, accept_chain_sampled,
                                          probabilities, sample)
-from specdec_rt.runtime.stats import GenerationStats
+from specdec_rt.runtime.stats import BatchStats, GenerationStats
 
-# Speculation policy hook: (stats so far) -> number of draft tokens for the next step.
-DraftLengthPolicy = Callable[[GenerationStats], int]
+
+class DraftLengthPolicy(Protocol):
+    """Chooses K for each step of a batch of ``width`` rows; learns from every row's outcome."""
+
+    def choose(self, width: int) -> int: ...
+
+    def observe(self, proposed: int, accepted: int) -> None: ...
 
 
 @dataclass
@@ -30,6 +46,30 @@ class LoopConfig:
     eos_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     policy: DraftLengthPolicy | None = None
+
+
+@dataclass
+class Row:
+    """One sequence of a batch: what it was asked, and where it stands.
+
+    ``finished`` is set by the loop ("length", "eos", "context", "error") or by whoever consumes
+    the loop's output ("stop", "cancelled"): the row then leaves the batch before the next step.
+    """
+
+    prompt: list[int]
+    cfg: LoopConfig
+    rng: np.random.Generator
+    stats: GenerationStats
+    index: int = 0  # the caller's name for it (position in the prompt list)
+    seq: int = -1  # its sequence in the engines' caches, while in the batch
+    tokens: list[int] = field(default_factory=list)  # prompt + committed tokens
+    finished: str | None = None
+    error: Exception | None = None
+    clock: StepClock | None = None
+
+    @property
+    def generated(self) -> int:
+        return self.stats.new_tokens
 
 
 def clip_new_tokens(new: list[int], budget: int, eos: set[int]) -> list[int]:
@@ -47,23 +87,28 @@ def _pick(row: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> 
     return sample(probabilities(row[None, :], params)[0], rng)
 
 
+def _eos(cfg: LoopConfig) -> set[int]:
+    return set() if cfg.ignore_eos else set(cfg.eos_token_ids)
+
+
 def prefill(target: OrtEngine, drafter, prompt: list[int], params: SamplingParams,
-            rng: np.random.Generator, stats: GenerationStats, t_start: float) -> list[int]:
-    """Prompt through the target, first token picked; returns the committed tokens.
+            rng: np.random.Generator, stats: GenerationStats, t_start: float, seq: int = 0) -> list[int]:
+    """Prompt through the target (and the drafter), first token picked; returns the committed
+    tokens. Runs as the sequence's own calls, whatever else is in flight.
 
     Leaves the loop invariant in place: the target cache holds every token but the last.
     """
-    target.reset()
-    tokens = list(prompt) + [_pick(target.extend(prompt), params, rng)]
+    target.reset(seq)
+    tokens = list(prompt) + [_pick(target.extend(prompt, seq=seq), params, rng)]
     if drafter is not None:
-        drafter.start(prompt)
+        drafter.start(prompt, seq)
     stats.time_prefill = stats.time_total = time.perf_counter() - t_start
     stats.new_tokens = 1
     return tokens
 
 
 class StepClock:
-    """Decode-time accounting shared by the chain and tree loops."""
+    """Decode-time accounting shared by the chain and tree loops (one per row)."""
 
     def __init__(self, target: OrtEngine, drafter, t_start: float) -> None:
         self.engines = [e for e in (target, getattr(drafter, "engine", None)) if e is not None]
@@ -73,63 +118,138 @@ class StepClock:
     def _model_time(self) -> float:
         return sum(e.model_time for e in self.engines)
 
-    def commit(self, stats: GenerationStats, tokens: list[int], new: list[int], drafter) -> None:
+    def commit(self, stats: GenerationStats, tokens: list[int], new: list[int], drafter, seq: int = 0) -> None:
         """Append one step's tokens, let the drafter catch up, refresh the stats."""
         tokens.extend(new)
         if drafter is not None:
-            drafter.sync(tokens)
+            drafter.sync(tokens, seq)
         stats.new_tokens += len(new)
         stats.time_total = time.perf_counter() - self.t_start
         stats.time_in_models = self._model_time() - self.model_t0
 
 
-def run_chain(target: OrtEngine, drafter: Drafter | None, prompt: list[int], cfg: LoopConfig,
-              rng: np.random.Generator, stats: GenerationStats) -> Iterator[list[int]]:
-    """Yield lists of newly committed token ids, one list per target call."""
+def _admit(target: OrtEngine, drafter: Drafter | None, row: Row) -> list[int]:
+    """Prefill a row on its own sequence; returns its first token (the loop's first output)."""
     t_start = time.perf_counter()
-    window = target.info.sliding_window
-    eos = set() if cfg.ignore_eos else set(cfg.eos_token_ids)
-    params = cfg.params
-    tokens = prefill(target, drafter, prompt, params, rng, stats, t_start)
-    clock = StepClock(target, drafter, t_start)
-    yield [tokens[-1]]
-    if tokens[-1] in eos or cfg.max_new_tokens <= 1:
-        return
+    row.tokens = prefill(target, drafter, row.prompt, row.cfg.params, row.rng, row.stats, t_start, row.seq)
+    row.clock = StepClock(target, drafter, t_start)
+    if row.tokens[-1] in _eos(row.cfg):
+        row.finished = "eos"
+    elif row.cfg.max_new_tokens <= 1:
+        row.finished = "length"
+    return [row.tokens[-1]]
 
-    while (generated := stats.new_tokens) < cfg.max_new_tokens:
-        p = target.length  # == len(tokens) - 1
-        room = target.max_len - p - 1  # positions left for draft tokens in this verify call
-        if room < 0:
-            return
-        k = cfg.policy(stats) if cfg.policy is not None else cfg.num_draft_tokens
-        k = max(0, min(k, cfg.max_new_tokens - generated - 1, room))
-        drafts: list[int] = []
-        q = None
-        if drafter is not None and k > 0:
-            t0 = time.perf_counter()
-            drafts, q = drafter.propose(tokens, k, params, rng)
-            stats.time_draft += time.perf_counter() - t0
+
+def _step(target: OrtEngine, drafter: Drafter | None, rows: list[Row], k: int,
+          policy: DraftLengthPolicy | None) -> list[list[int]]:
+    """One draft -> verify -> accept -> commit step over every row; returns each row's new tokens."""
+    # draft: up to k tokens per row, fewer where its budget or the context ends
+    ks = [max(0, min(k, r.cfg.max_new_tokens - r.generated - 1, target.max_len - target.lengths[r.seq] - 1))
+          for r in rows]
+    proposals: list[tuple[list[int], np.ndarray | None]] = [([], None)] * len(rows)
+    if drafter is not None and any(ks):
         t0 = time.perf_counter()
+        proposals = drafter.propose(rows, ks)
+        for r in rows:
+            r.stats.time_draft += time.perf_counter() - t0
+
+    # verify: [last committed token, drafts...] of every row in one target call
+    t0 = time.perf_counter()
+    ids = [np.asarray([r.tokens[-1]] + drafts, dtype=np.int64) for r, (drafts, _) in zip(rows, proposals)]
+    logits = target.forward_rows([r.seq for r in rows], ids)  # causal, at each row's own length
+
+    # accept and commit, row by row
+    out = []
+    for r, (drafts, q), x in zip(rows, proposals, logits):
+        params, stats = r.cfg.params, r.stats
         if not drafts:  # plain decode step (target-only, or nothing worth drafting)
-            n_acc, nxt = 0, _pick(target.step(tokens[-1]), params, rng)
+            n_acc, nxt = 0, _pick(x[0], params, r.rng)
+        elif params.greedy:
+            n_acc, nxt = accept_chain_greedy(np.argmax(x, axis=-1), drafts)
         else:
-            ids = np.asarray([tokens[-1]] + drafts, dtype=np.int64)
-            positions = np.arange(p, p + len(ids), dtype=np.int64)
-            logits = target.forward(ids, positions, causal_mask(p, positions, window))
-            if params.greedy:
-                n_acc, nxt = accept_chain_greedy(np.argmax(logits, axis=-1), drafts)
-            else:
-                n_acc, nxt = accept_chain_sampled(probabilities(logits, params), q, drafts, rng)
-            target.commit(n_acc + 1)
+            n_acc, nxt = accept_chain_sampled(probabilities(x, params), q, drafts, r.rng)
+        target.commit(n_acc + 1, r.seq)
         stats.time_verify += time.perf_counter() - t0
         stats.target_calls += 1
         if drafts:
             stats.record(len(drafts), n_acc)
+            if policy is not None:
+                policy.observe(len(drafts), n_acc)
         stats.draft_lengths.append(len(drafts))
-        new = clip_new_tokens(drafts[:n_acc] + [nxt], cfg.max_new_tokens - generated, eos)
-        clock.commit(stats, tokens, new, drafter)
-        yield new
+        eos = _eos(r.cfg)
+        new = clip_new_tokens(drafts[:n_acc] + [nxt], r.cfg.max_new_tokens - r.generated, eos)
+        r.clock.commit(stats, r.tokens, new, drafter, r.seq)
         if new[-1] in eos:
-            return
-        if target.length + 1 >= target.max_len:
-            return
+            r.finished = "eos"
+        elif r.generated >= r.cfg.max_new_tokens:
+            r.finished = "length"
+        elif target.lengths[r.seq] + 1 >= target.max_len:
+            r.finished = "context"
+        out.append(new)
+    return out
+
+
+def run_batch(target: OrtEngine, drafter: Drafter | None, rows: Iterable[Row], max_rows: int = 1,
+              num_draft_tokens: int = 4, policy: DraftLengthPolicy | None = None,
+              batch_stats: BatchStats | None = None) -> Iterator[tuple[Row, list[int]]]:
+    """Decode ``rows`` with at most ``max_rows`` in flight; yield (row, newly committed ids),
+    one pair per row per target call it took part in (its prefill first).
+
+    ``rows`` is consumed lazily: a row is taken when a cache sequence is free. A row whose prefill
+    fails (e.g. its prompt does not fit) gets ``error`` and ``finished="error"`` and the others go
+    on. The consumer may set ``row.finished`` (stop string, cancellation) after any yield: the
+    row leaves before the next step. K is ``policy.choose(width)`` per step, else fixed.
+    """
+    waiting = iter(rows)
+    exhausted = False
+    free = list(range(max_rows - 1, -1, -1))  # cache sequences, lowest first
+    active: list[Row] = []
+    while True:
+        # join: waiting rows take free sequences, each prefilled by its own call
+        while free and not exhausted:
+            row = next(waiting, None)
+            if row is None:
+                exhausted = True
+                break
+            row.seq = free.pop()
+            try:
+                first = _admit(target, drafter, row)
+            except (ContextOverflowError, GenerationInputError) as exc:
+                row.error, row.finished, first = exc, "error", []
+            active.append(row)
+            yield row, first
+            active = _leave(active, free)
+        active = _leave(active, free)  # finished meanwhile (stop strings, cancellations)
+        if not active:
+            if exhausted:
+                return
+            continue
+        # one batched step
+        k = policy.choose(len(active)) if policy is not None else num_draft_tokens
+        if batch_stats is not None:
+            batch_stats.steps += 1
+            batch_stats.row_steps += len(active)
+            batch_stats.ks.append(k)
+        for row, new in zip(active, _step(target, drafter, active, k, policy)):
+            yield row, new
+        active = _leave(active, free)
+
+
+def _leave(active: list[Row], free: list[int]) -> list[Row]:
+    """Finished rows give their cache sequences back; returns the rows still decoding."""
+    for row in active:
+        if row.finished:
+            free.append(row.seq)
+    free.sort(reverse=True)
+    return [r for r in active if not r.finished]
+
+
+def run_chain(target: OrtEngine, drafter: Drafter | None, prompt: list[int], cfg: LoopConfig,
+              rng: np.random.Generator, stats: GenerationStats) -> Iterator[list[int]]:
+    """One sequence: a batch of one row. Yield lists of newly committed token ids, one list per
+    target call."""
+    row = Row(prompt, cfg, rng, stats)
+    for _, new in run_batch(target, drafter, [row], 1, cfg.num_draft_tokens, cfg.policy):
+        if row.error is not None:
+            raise row.error
+        yield new

@@ -80,3 +80,33 @@ class GenerationStats:
                      "python_overhead_share"):
             d[name] = getattr(self, name)
         return d
+
+
+@dataclass
+class BatchStats:
+    """One batched generation (:meth:`Generator.generate_batch`) as a whole; each row has its own
+    :class:`GenerationStats` as well."""
+
+    prompts: int = 0
+    max_rows: int = 0  # sequences in flight at most (batch size)
+    new_tokens: int = 0  # over every row
+    steps: int = 0  # batched draft -> verify steps (one target call each; prefills not counted)
+    row_steps: int = 0  # rows over all steps (mean batch width = row_steps / steps)
+    ks: list[int] = field(default_factory=list)  # K chosen per step
+    errors: int = 0  # rows that failed (their results carry the error)
+    time_total: float = 0.0
+    peak_rss_bytes: int = 0
+
+    @property
+    def mean_width(self) -> float:
+        return self.row_steps / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.time_total if self.time_total > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["mean_width"] = self.mean_width
+        d["tokens_per_second"] = self.tokens_per_second
+        return d

@@ -81,7 +81,7 @@ class TreeDrafter:
 
     def build(self, tokens: list[int], params: SamplingParams, rng: np.random.Generator) -> list[_Node]:
         d, eng, shape = self.d, self.d.engine, self.shape
-        pending = tokens[len(d._seen):]
+        pending = tokens[len(d.seen()):]
         root_row = d._step(pending)  # catch up; the last token is the root
         base = eng.length  # committed draft prefix incl. the root
         root_pos = len(tokens) - 1

@@ -159,7 +159,7 @@ class TrtKVCache:
             out.append(arr)
         return out[0], out[1]
 
-    def gather_into(self, src_slots: list[int], dst_start: int) -> None:
+    def gather_into(self, src_slots: list[int], dst_start: int, seq: int = 0) -> None:
         """Tree compaction: one device-to-device copy per moved slot, layer and kind.
 
         Sources are at or after their destinations and copies are stream-ordered, so no copy
@@ -203,7 +203,7 @@ class TrtEngine(EngineBase):
         self.info = info
         self.max_len = max_len
         self.vocab_size = info.vocab_size
-        self.length = 0
+        self.lengths = [0]  # one sequence (``length``): no batched calls on this engine
         self.calls = 0
         self.model_time = 0.0  # seconds from enqueue to the logits on the host (as OrtEngine's)
         self._logger = trt.Logger(trt.Logger.WARNING)
@@ -263,7 +263,8 @@ class TrtEngine(EngineBase):
                                   f"{np.dtype(dtype)}; rebuild the engine from this bundle's graph")
 
     # -- forward ----------------------------------------------------------------------------
-    def forward(self, input_ids: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    def forward(self, input_ids: np.ndarray, positions: np.ndarray, mask: np.ndarray,
+                seq: int = 0) -> np.ndarray:
         """Run S new tokens against the committed cache; return host logits [S, V].
 
         Calls longer than the prefill profile allows are split into chunks; each chunk sees the
