@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -130,6 +131,12 @@ class SpecdecAPI:
         self.defaults = {"num_draft_tokens": config.num_draft_tokens, "drafter": None if drafter == "none" else drafter,
                          "speculation": config.speculation}
         self.created = int(time.time())
+        # tokenization / chat templates off the event loop, on two threads (a bounded number of
+        # threads keeps the process's memory flat: each new thread may get its own malloc arena)
+        self.prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="specdec-prep")
+
+    async def off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.prep, fn, *args)
 
     # -- helpers -----------------------------------------------------------------------------------
     async def read_json(self, request: Request) -> Any:
@@ -150,10 +157,9 @@ class SpecdecAPI:
                 raise P.APIError(413, f"the request body exceeds {limit} bytes (--max-body-bytes)", None,
                                  "request_too_large")
             chunks.append(chunk)
-        raw = b"".join(chunks)
         try:
-            body = json.loads(raw, parse_constant=P.reject_constant)
-        except (ValueError, RecursionError) as exc:
+            body = P.JSON.decode(b"".join(chunks).decode("utf-8"))
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
             raise P.bad(f"the body is not valid JSON: {exc}", None, "invalid_json") from None
         return body
 
@@ -230,7 +236,7 @@ class SpecdecAPI:
         parse = P.parse_chat if kind == "chat" else P.parse_completion
         req = parse(body, self.config.model_name, self.defaults, self.max_tokens_limit, self.config.request_timeout)
         self._validate_sampling(req.gen_kwargs)
-        ids = await run_in_threadpool(self._prompt_ids, req)
+        ids = await self.off_loop(self._prompt_ids, req)
         max_tokens = P.resolve_max_tokens(req, len(ids), self.context, self.config.default_max_tokens)
         job = self.submit(GenSpec(ids, {**req.gen_kwargs, "max_new_tokens": max_tokens}, req.timeout))
         watcher = self.watch(request, job)
@@ -348,7 +354,7 @@ class SpecdecAPI:
         if args["drafter"] == "default":
             args["drafter"] = self.defaults["drafter"]
         try:
-            ids = await run_in_threadpool(self.gen._prompt_ids, prompt)
+            ids = await self.off_loop(self.gen._prompt_ids, prompt)
             job = self.submit(GenSpec(ids, args, self.config.request_timeout))
         except USER_ERRORS as exc:
             return legacy_error(400, str(exc))
@@ -424,6 +430,7 @@ def create_app(generator, config: ServerConfig | None = None, scheduler=None) ->
             yield
         finally:
             await run_in_threadpool(api.scheduler.close, config.drain_timeout)
+            api.prep.shutdown(wait=False)
 
     async def on_api_error(request: Request, exc: P.APIError) -> Response:
         return error_response(exc)

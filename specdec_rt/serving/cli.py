@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None, prog: str = "specdec-serve") -> int:
         sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((args.host, args.port))
+        sock.listen(2048)  # connections wait in the backlog until uvicorn accepts them (not refused)
     except OSError as exc:
         print(f"error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1

@@ -13,6 +13,7 @@ overriding the server's defaults for one request.
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -51,6 +52,9 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
 
 def reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
+
+
+JSON = json.JSONDecoder(parse_constant=reject_constant)  # NaN / Infinity refused; one decoder for all bodies
 
 
 # -- field checks ------------------------------------------------------------------------------
