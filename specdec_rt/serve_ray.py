@@ -30,7 +30,9 @@ def _build_asgi(settings: dict[str, Any]):
     import specdec_rt
     from specdec_rt.runtime.engine import enable_shared_thread_pool
     from specdec_rt.serving.app import create_app
+    from specdec_rt.serving.cli import limit_malloc_arenas
 
+    limit_malloc_arenas(settings["malloc_arenas"])
     enable_shared_thread_pool(settings["threads"])
     gen = specdec_rt.load(settings["bundle"], provider=settings["provider"],
                           draft_provider=settings["draft_provider"], threads=settings["threads"],
@@ -40,7 +42,7 @@ def _build_asgi(settings: dict[str, Any]):
 
 def build_app(bundle: str | Path, num_replicas: int = 2, config=None, provider: str = "cpu",
               draft_provider: str | None = None, threads: int | None = 1, max_context: int | None = None,
-              replica_cpus: float | None = None, name: str = "specdec"):
+              replica_cpus: float | None = None, name: str = "specdec", malloc_arenas: int = 1):
     """A Ray Serve application (``serve.run(build_app(...))``) of ``num_replicas`` replicas.
 
     ``config``: a :class:`~specdec_rt.serving.app.ServerConfig` (default: the server's defaults,
@@ -57,7 +59,7 @@ def build_app(bundle: str | Path, num_replicas: int = 2, config=None, provider: 
         raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}")
     config = config or ServerConfig(model_name=Path(bundle).name)
     settings = {"bundle": bundle, "provider": provider, "draft_provider": draft_provider, "threads": threads,
-                "max_context": max_context, "config": config}
+                "max_context": max_context, "config": config, "malloc_arenas": malloc_arenas}
 
     def build():
         return _build_asgi(settings)
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         ray.init(include_dashboard=False, _node_ip_address=args.host if args.host != "0.0.0.0" else None)
     serve.start(http_options={"host": args.host, "port": args.port})
     app = build_app(bundle, args.replicas, config_from_args(args, bundle), args.provider, args.draft_provider,
-                    args.threads or 1, args.max_context, args.replica_cpus)
+                    args.threads or 1, args.max_context, args.replica_cpus, malloc_arenas=args.malloc_arenas)
     print(f"specdec-rt on Ray Serve: {args.replicas} replicas of {bundle} on http://{args.host}:{args.port}",
           flush=True)
     try:

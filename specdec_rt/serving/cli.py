@@ -34,6 +34,25 @@ def _timeout(value: str) -> float | None:
     return None if t <= 0 else t
 
 
+def limit_malloc_arenas(n: int) -> bool:
+    """glibc's ``mallopt(M_ARENA_MAX, n)``: cap the malloc arenas the process's threads spread over.
+
+    With glibc's default (8 per core) the server's RSS creeps up under load (the event loop thread,
+    the generation worker and the tokenizer threads each fragment their own arenas): measured on
+    the tiny test pair, 200-request rounds took RSS 114 -> 121 MiB over 6 rounds with the default,
+    and 103 -> 106 MiB, flat from the third round, with one arena, at the same tokens/s (the
+    threads allocate mostly under the GIL). Linux / glibc only; elsewhere nothing happens.
+    """
+    if n <= 0 or not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        return bool(ctypes.CDLL(None).mallopt(-8, n))  # -8: M_ARENA_MAX
+    except (OSError, AttributeError):
+        return False
+
+
 def build_parser(prog: str = "specdec-serve") -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description="Serve a specdec-rt bundle with the OpenAI API "
                                  "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).")
@@ -68,6 +87,8 @@ def build_parser(prog: str = "specdec-serve") -> argparse.ArgumentParser:
     g = ap.add_argument_group("operations")
     g.add_argument("--metrics-prefix", default="specdec", help="prefix of the Prometheus series (vllm: "
                    "dashboards built for vLLM read them unchanged)")
+    g.add_argument("--malloc-arenas", type=int, default=1, help="cap glibc malloc arenas (keeps RSS flat under "
+                   "load; 0: glibc's default)")
     g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     g.add_argument("--access-log", action="store_true", help="log every request")
     return ap
@@ -96,6 +117,7 @@ def main(argv: list[str] | None = None, prog: str = "specdec-serve") -> int:
               file=sys.stderr)
         return 1
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    limit_malloc_arenas(args.malloc_arenas)  # before ONNX Runtime and the server start threads
     bundle = Path(args.bundle)
     try:
         import specdec_rt

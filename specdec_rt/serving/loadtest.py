@@ -33,6 +33,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -309,18 +310,27 @@ def markdown(rep: dict) -> str:
 
 
 def start_server(bundle: str, extra: list[str], threads: int | None, env=None) -> tuple[subprocess.Popen, str]:
-    """``specdec-serve`` on 127.0.0.1 and a free port, as a child process; returns it and its URL."""
+    """``specdec-serve`` on 127.0.0.1 and a free port, as a child process; returns it and its URL.
+    Its stderr goes to a temporary file (``server_log(proc)``), so a chatty server never blocks."""
     cmd = [sys.executable, "-m", "specdec_rt.serving", "--bundle", bundle, "--host", "127.0.0.1", "--port", "0",
            "--log-level", "warning", *extra]
     if threads:
         cmd += ["--threads", str(threads)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    err = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    proc.err_file = err
     line = proc.stdout.readline()
     if " on http://" not in line:
         proc.kill()
-        raise RuntimeError(f"the server did not start: {line}{proc.stderr.read()[-2000:]}")
+        proc.wait()
+        raise RuntimeError(f"the server did not start: {line}{server_log(proc)[-2000:]}")
     url = line.split(" on ", 1)[1].split()[0]
     return proc, url
+
+
+def server_log(proc: subprocess.Popen) -> str:
+    proc.err_file.seek(0)
+    return proc.err_file.read()
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 60) -> int:
