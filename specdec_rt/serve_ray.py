@@ -19,7 +19,6 @@ proxy answers for whichever replica it reaches, so scrape replicas directly or u
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any

@@ -249,12 +249,12 @@ class SpecdecAPI:
             raise
         if first.kind != "piece":
             watcher.cancel()
-            return self._final(req, first, events, [])
+            return self._final(req, first)
         if not req.stream:
             try:
                 async for event in events:
                     if event.kind != "piece":
-                        return self._final(req, event, events, [])
+                        return self._final(req, event)
             finally:
                 watcher.cancel()
                 job.cancel()
@@ -286,7 +286,7 @@ class SpecdecAPI:
 
         return EventStream(chunks(), close)
 
-    def _final(self, req: P.ParsedRequest, event, events, _unused) -> Response:
+    def _final(self, req: P.ParsedRequest, event) -> Response:
         if event.kind == "error":
             return error_response(self.event_error(event))
         if event.kind == "cancelled":

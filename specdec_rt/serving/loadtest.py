@@ -27,10 +27,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -291,8 +289,8 @@ def markdown(rep: dict) -> str:
     lines = [
         "| figure | value |", "|---|---|",
         f"| requests (concurrency) | {rep['requests']} ({rep['concurrency']}) |",
-        f"| mix | " + ", ".join(f"{k} {v}" for k, v in sorted(rep["by_kind"].items())) + " |",
-        f"| outcomes | " + ", ".join(f"{k} {v}" for k, v in sorted(rep["outcomes"].items())) + " |",
+        "| mix | " + ", ".join(f"{k} {v}" for k, v in sorted(rep["by_kind"].items())) + " |",
+        "| outcomes | " + ", ".join(f"{k} {v}" for k, v in sorted(rep["outcomes"].items())) + " |",
         f"| TTFT p50 / p99 (streamed, client side) | {ms(rep['ttft_p50_s'])} / {ms(rep['ttft_p99_s'])} |",
         f"| latency p50 / p99 (completed) | {ms(rep['latency_p50_s'])} / {ms(rep['latency_p99_s'])} |",
         f"| generated tokens / s (all streams) | {rep['tokens_per_s']:.0f} ({rep['generated_tokens']} tokens in "
