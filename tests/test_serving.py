@@ -461,3 +461,23 @@ def test_cli_errors_are_one_line(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1
     assert r.stderr.startswith("error: ") and "Traceback" not in r.stderr, r.stderr
+
+
+def test_jetson_service_runs_specdec_serve():
+    """The systemd unit's command line parses with specdec-serve's own parser."""
+    import shlex
+    from pathlib import Path
+
+    from specdec_rt.serving.cli import build_parser
+
+    unit = (Path(__file__).parents[1] / "deploy" / "jetson" / "specdec.service").read_text()
+    env = dict(line[len("Environment="):].split("=", 1) for line in unit.splitlines()
+               if line.startswith("Environment="))
+    cmd = next(line[len("ExecStart="):] for line in unit.splitlines() if line.startswith("ExecStart="))
+    for key, value in env.items():
+        cmd = cmd.replace("${%s}" % key, value)
+    argv = shlex.split(cmd)
+    assert argv[0].endswith("/specdec-serve") and "$" not in cmd
+    args = build_parser().parse_args(argv[1:])
+    assert args.provider == "cuda" and args.host == "127.0.0.1" and args.max_context == 1024
+    assert "specdec-serve" in (Path(__file__).parents[1] / "deploy" / "jetson" / "run_server.sh").read_text()
