@@ -56,52 +56,60 @@ def test_load_and_faults(server_proc, tiny_gen):
 def test_sigterm_drains(server_proc, tiny_gen):
     """Running and queued requests finish after SIGTERM; new ones are refused; exit status 0."""
     proc, url = server_proc
-    prompts = PROMPTS[:6]
+    prompts = PROMPTS[:8]
     body = {"max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True,
             "specdec": {"drafter": "none"}}
     results: dict[int, dict] = {}
-    first = threading.Event()
 
     def stream(i: int) -> None:
         text, finish = [], None
         try:
             with httpx.Client(timeout=120) as c, \
                     c.stream("POST", url + "/v1/completions", json={**body, "prompt": prompts[i]}) as resp:
+                if resp.status_code != 200:
+                    results[i] = {"status": resp.status_code, "body": json.loads(resp.read())}
+                    return
                 for line in resp.iter_lines():
                     if not line.startswith("data: {"):
                         continue
-                    first.set()
                     chunk = json.loads(line[6:])
                     for ch in chunk.get("choices", []):
                         text.append(ch["text"])
                         finish = ch["finish_reason"] or finish
             results[i] = {"status": resp.status_code, "text": "".join(text), "finish": finish}
-        except Exception as exc:  # noqa: BLE001
-            results[i] = {"error": repr(exc)}
+        except httpx.TransportError as exc:
+            results[i] = {"refused": repr(exc)}
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
-    assert first.wait(60)
-    deadline = time.monotonic() + 30
-    while httpx.get(url + "/health").json()["queue_depth"] < len(prompts) - 1:  # all accepted
-        assert time.monotonic() < deadline, "requests were not queued"
-        time.sleep(0.005)
+    deadline = time.monotonic() + 60
+    while True:  # one generating, at least two waiting
+        h = httpx.get(url + "/health").json()
+        if h["running"] == 1 and h["queue_depth"] >= 2:
+            break
+        assert time.monotonic() < deadline, f"never one running and two queued: {h}"
+        time.sleep(0.002)
     proc.send_signal(signal.SIGTERM)
+    in_flight = h["running"] + h["queue_depth"]
     time.sleep(0.05)
     try:  # new work is refused: 503 while the listener closes, then no connection at all
         r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
     except httpx.TransportError:
         pass
-    draining_seen = any(r.get("status") is None for r in results.values()) or len(results) < len(prompts)
     for t in threads:
         t.join(120)
     assert proc.wait(60) == 0
-    assert draining_seen, "every request had finished before SIGTERM: the test did not test draining"
+    completed = 0
     for i, prompt in enumerate(prompts):
-        want = tiny_gen.generate(prompt, max_new_tokens=200, temperature=0, ignore_eos=True, drafter=None)
-        assert results[i].get("status") == 200, results[i]
-        assert results[i]["text"] == want.text and results[i]["finish"] == "length"
+        res = results[i]
+        if res.get("status") == 200:  # accepted: finished in full, exactly
+            want = tiny_gen.generate(prompt, max_new_tokens=200, temperature=0, ignore_eos=True, drafter=None)
+            assert res["text"] == want.text and res["finish"] == "length", i
+            completed += 1
+        else:  # sent after SIGTERM: refused cleanly
+            assert "refused" in res or (res["status"] == 503 and res["body"]["error"]["code"] == "shutting_down"), res
+    assert completed >= in_flight >= 3
     log = server_log(proc)
     assert "Traceback" not in log, log
