@@ -481,3 +481,45 @@ def test_jetson_service_runs_specdec_serve():
     args = build_parser().parse_args(argv[1:])
     assert args.provider == "cuda" and args.host == "127.0.0.1" and args.max_context == 1024
     assert "specdec-serve" in (Path(__file__).parents[1] / "deploy" / "jetson" / "run_server.sh").read_text()
+
+
+def test_scheduler_stops_a_cancelled_job_at_the_next_step(tiny_gen):
+    """SerialScheduler directly: after cancel() the worker runs at most the step in progress."""
+    import asyncio
+
+    from specdec_rt.serving.scheduler import GenSpec, SerialScheduler
+
+    class Counting(SlowGen):
+        steps = 0
+
+        def stream(self, *args, **kwargs):
+            for piece in self._gen.stream(*args, **kwargs):
+                Counting.steps += 1
+                time.sleep(self._delay)
+                yield piece
+
+    sched = SerialScheduler(Counting(tiny_gen, 0.005), max_queue=2)
+    sched.start()
+
+    async def run():
+        ids = tiny_gen.tokenizer.encode("def f(")
+        job = sched.submit(GenSpec(ids, {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True,
+                                         "drafter": None}))
+        queued = sched.submit(GenSpec(ids, {"max_new_tokens": 5, "drafter": None}))
+        kinds = []
+        async for event in job.events():
+            kinds.append(event.kind)
+            if len(kinds) == 3:
+                at_cancel = Counting.steps
+                job.cancel()
+        queued.cancel()  # still waiting: dropped without running
+        assert [e.kind async for e in queued.events()] == ["cancelled"]
+        return kinds, at_cancel
+
+    try:
+        kinds, at_cancel = asyncio.run(run())
+    finally:
+        sched.close(10)
+    assert kinds[-1] == "cancelled" and kinds.count("piece") <= 4
+    assert Counting.steps <= at_cancel + 1  # the step running at cancel time, no more
+    assert sched.running == 0 and sched.queue_depth == 0

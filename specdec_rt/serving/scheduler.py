@@ -176,9 +176,9 @@ class SerialScheduler:
         return job
 
     def begin_drain(self) -> None:
-        """Refuse new jobs; accepted ones still run."""
-        with self._cond:
-            self._draining = True
+        """Refuse new jobs; accepted ones still run. Safe in a signal handler (no lock taken: a
+        handler interrupting ``submit`` on the same thread must not wait for it)."""
+        self._draining = True
 
     def close(self, timeout: float | None = None) -> None:
         """Drain: run what was accepted, then stop the worker (``timeout``: cancel what is left)."""
