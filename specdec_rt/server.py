@@ -1,5 +1,10 @@
 """A small stdlib-only HTTP server around one loaded bundle (``python -m specdec_rt.server``).
 
+**Deprecated**: use ``specdec-serve`` (:mod:`specdec_rt.serving`, the ``[server]`` extra): the OpenAI
+API, streaming, metrics, a bounded queue, cancellation and graceful shutdown. It serves this
+module's ``POST /generate`` too (same body and answers), so existing clients keep working. This
+module stays for installs without the extra.
+
 Why stdlib: a Jetson deployment installs numpy, onnxruntime, tokenizers and jinja2 and nothing else.
 One :class:`Generator` owns one KV cache per model, so generations are serialized by a lock;
 requests queue on it (``ThreadingHTTPServer`` keeps /health answering meanwhile).
@@ -198,7 +203,8 @@ def make_server(bundle: str, host: str = "127.0.0.1", port: int = 8000, provider
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m specdec_rt.server",
-                                 description="Serve a specdec-rt bundle over HTTP (stdlib only).")
+                                 description="Serve a specdec-rt bundle over HTTP (stdlib only; deprecated: "
+                                 "use specdec-serve).")
     ap.add_argument("--bundle", required=True)
     ap.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     ap.add_argument("--port", type=int, default=8000)
@@ -219,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     host, port = server.server_address[:2]
+    print("note: python -m specdec_rt.server is deprecated; specdec-serve (pip install 'specdec-rt[server]') "
+          "serves the OpenAI API and the same POST /generate", file=sys.stderr)
     print(f"specdec-rt serving {args.bundle} on http://{host}:{port} ({args.provider})", flush=True)
     try:
         server.serve_forever()

@@ -24,6 +24,8 @@ $PIP install --upgrade pip
 # The Jetson onnxruntime-gpu first; --no-deps everywhere after so nothing replaces it.
 $PIP install "$ORT_WHL"
 $PIP install "numpy>=1.24,<2" "tokenizers>=0.19" "jinja2>=3.1.6" "cuda-python>=12,<13"
+# the server (specdec-serve, the [server] extra): pure-Python wheels, nothing to compile
+$PIP install "starlette>=0.37" "uvicorn>=0.30" "prometheus-client>=0.20"
 $PIP install --no-deps "$SPECDEC_WHL"
 
 "$VENV/bin/python" - <<'PY'
@@ -37,4 +39,5 @@ except ImportError as exc:
 import specdec_rt
 print("specdec-rt", specdec_rt.__version__, "installed")
 PY
-echo "done: $VENV (run: $VENV/bin/specdec-run --bundle BUNDLE --provider cuda --prompt ...)"
+echo "done: $VENV (run: $VENV/bin/specdec-run --bundle BUNDLE --provider cuda --prompt ...;"
+echo "      serve: $VENV/bin/specdec-serve --bundle BUNDLE --provider cuda)"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Start the specdec-rt HTTP server (stdlib only). Configured by environment variables so the
-# systemd unit can override them. Status: not run on a Jetson yet (docs/backends.md).
+# Start specdec-serve (the OpenAI-compatible server; the [server] extra, pure Python). Configured by
+# environment variables so the systemd unit can override them. Status: not run on a Jetson yet
+# (docs/backends.md). Extra arguments are passed on (e.g. --num-draft-tokens auto).
 set -euo pipefail
 
 VENV=${SPECDEC_VENV:-$HOME/specdec-venv}
@@ -10,7 +11,9 @@ ARGS=(--bundle "$BUNDLE"
       --port "${SPECDEC_PORT:-8000}"
       --provider "${SPECDEC_PROVIDER:-cuda}")
 [ -n "${SPECDEC_DRAFT_PROVIDER:-}" ] && ARGS+=(--draft-provider "$SPECDEC_DRAFT_PROVIDER")
-[ -n "${SPECDEC_MAX_LENGTH:-}" ] && ARGS+=(--max-length "$SPECDEC_MAX_LENGTH")
+[ -n "${SPECDEC_MAX_LENGTH:-}" ] && ARGS+=(--max-context "$SPECDEC_MAX_LENGTH")
 [ -n "${SPECDEC_THREADS:-}" ] && ARGS+=(--threads "$SPECDEC_THREADS")
+[ -n "${SPECDEC_MAX_QUEUE:-}" ] && ARGS+=(--max-queue "$SPECDEC_MAX_QUEUE")
+[ -n "${SPECDEC_DRAIN_TIMEOUT:-}" ] && ARGS+=(--drain-timeout "$SPECDEC_DRAIN_TIMEOUT")
 
-exec "$VENV/bin/python" -m specdec_rt.server "${ARGS[@]}" "$@"
+exec "$VENV/bin/specdec-serve" "${ARGS[@]}" "$@"

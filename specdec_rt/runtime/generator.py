@@ -265,8 +265,14 @@ class Generator:
                num_draft_tokens: int | str = 4, drafter: str | None = "model",
                speculation: str = "chain", stop: Sequence[str] | str | None = None,
                do_sample: bool | None = None, ignore_eos: bool = False,
-               result: GenerationResult | None = None, tree_shape=None) -> Iterator[str]:
+               result: GenerationResult | None = None, tree_shape=None,
+               every_step: bool = False) -> Iterator[str]:
         """Yield text pieces as tokens are committed. Pass ``result`` to collect ids and stats.
+
+        ``every_step=True`` also yields ``""`` for a step whose tokens add no visible text yet (a
+        partial UTF-8 character, text held back while it may start a stop string), so a consumer
+        sees every target call and can stop between any two of them (the server cancels a
+        disconnected client's generation this way).
 
         ``temperature`` / ``top_k`` / ``top_p`` / ``do_sample`` left as ``None`` take the bundle's
         defaults (:attr:`generation_defaults`, from its ``generation_config.json``; greedy when it
@@ -283,7 +289,7 @@ class Generator:
                               tree_shape):
             res.token_ids.extend(new)
             piece = text.push(new)
-            if piece:
+            if piece or every_step:
                 res.text += piece
                 yield piece
             if text.stopped:

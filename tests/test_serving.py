@@ -1,0 +1,525 @@
+"""The OpenAI-compatible server in this process (uvicorn on 127.0.0.1, an ephemeral port), driven by
+the official ``openai`` client and by plain HTTP (httpx) for the error cases."""
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+from helpers import make_chat_checkpoint, make_perturbed_copy  # noqa: E402
+
+PROMPTS = ["def wrap(text, width):", "import heapq\n", "class Stack:\n    def __init__(self):"]
+MESSAGES = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Write a function that adds two numbers."}]
+METRIC_NAMES = [
+    "num_requests_running", "num_requests_waiting", "http_requests_total", "request_success_total",
+    "prompt_tokens_total", "generation_tokens_total", "time_to_first_token_seconds",
+    "inter_token_latency_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+    "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
+    "spec_decode_num_accepted_tokens_per_pos_total"]
+
+
+class SlowGen:
+    """A generator whose steps take at least ``delay`` seconds: the tiny models finish a whole
+    generation in ~0.1 s, too fast to observe a running request (queue limit, disconnects)."""
+
+    def __init__(self, gen, delay: float = 0.01) -> None:
+        self._gen = gen
+        self._delay = delay
+
+    def __getattr__(self, name):
+        return getattr(self._gen, name)
+
+    def stream(self, *args, **kwargs):
+        for piece in self._gen.stream(*args, **kwargs):
+            time.sleep(self._delay)
+            yield piece
+
+
+@contextlib.contextmanager
+def serve(bundle, step_delay: float | None = None, **config):
+    """``create_app`` on its own generator, uvicorn in a thread; yields (base URL, app)."""
+    import uvicorn
+
+    import specdec_rt
+    from specdec_rt.serving import ServerConfig, create_app
+
+    gen = specdec_rt.load(bundle, threads=1)
+    if step_delay:
+        gen = SlowGen(gen, step_delay)
+    app = create_app(gen, ServerConfig(**{"model_name": "tiny", **config}))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+def client(url: str):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def metrics(url: str) -> dict[tuple[str, tuple], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))] = s.value
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(tiny_pair):
+    with serve(tiny_pair["bundle"]) as (url, app):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def chat_bundle(tmp_path_factory):
+    """A ChatML chat checkpoint and a noisy copy of it as draft, exported."""
+    from specdec_rt.export.pipeline import ExportOptions, export_pair
+
+    base = tmp_path_factory.mktemp("serving_chat")
+    target = make_chat_checkpoint(base / "target", "chatml")
+    draft = make_perturbed_copy(target, base / "draft", noise=0.03)
+    export_pair(target, draft, base / "bundle", ExportOptions(progress=False))
+    return base / "bundle"
+
+
+@pytest.fixture(scope="module")
+def chat_server(chat_bundle):
+    with serve(chat_bundle) as (url, app):
+        yield url
+
+
+# -- the OpenAI API through the official client -----------------------------------------------------
+def test_completion_equals_library(server, tiny_gen):
+    c = client(server)
+    for prompt in PROMPTS:
+        want = tiny_gen.generate(prompt, max_new_tokens=16, temperature=0)
+        out = c.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0)
+        assert out.object == "text_completion" and out.model == "tiny" and len(out.choices) == 1
+        assert out.choices[0].text == want.text
+        assert out.choices[0].finish_reason == {"eos": "stop", "length": "length"}[want.finish_reason]
+        assert out.usage.prompt_tokens == len(want.prompt_token_ids)
+        assert out.usage.completion_tokens == len(want.token_ids)
+        assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    ids = tiny_gen.tokenizer.encode(PROMPTS[0])  # a prompt as token ids
+    assert c.completions.create(model="tiny", prompt=ids, max_tokens=16, temperature=0).choices[0].text == \
+        tiny_gen.generate(ids, max_new_tokens=16, temperature=0).text
+
+
+def test_completion_streamed(server, tiny_gen):
+    c = client(server)
+    prompt = PROMPTS[1]
+    want = c.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0)
+    chunks = list(c.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}))
+    assert all(ch.object == "text_completion" for ch in chunks)
+    assert len({ch.id for ch in chunks}) == 1
+    usage_chunk, last = chunks[-1], chunks[-2]
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == want.usage.completion_tokens
+    assert last.choices[0].finish_reason == want.choices[0].finish_reason
+    assert all(ch.choices[0].finish_reason is None for ch in chunks[:-2])
+    assert "".join(ch.choices[0].text for ch in chunks[:-1]) == want.choices[0].text
+    plain = list(c.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0, stream=True))
+    assert all(ch.usage is None for ch in plain) and plain[-1].choices[0].finish_reason is not None
+
+
+def test_stop_strings_and_seeded_sampling(server, tiny_gen):
+    c = client(server)
+    full = tiny_gen.generate(PROMPTS[0], max_new_tokens=24, temperature=0, ignore_eos=True).text
+    stop = full[5:7]
+    want = tiny_gen.generate(PROMPTS[0], max_new_tokens=24, temperature=0, stop=[stop])
+    out = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=stop,
+                               extra_body={"ignore_eos": True})
+    assert out.choices[0].text == want.text and out.choices[0].finish_reason == "stop"
+    kw = dict(max_new_tokens=16, temperature=0.9, top_p=0.95, top_k=40, seed=11)
+    want = tiny_gen.generate(PROMPTS[2], **kw)
+    for stream in (False, True):
+        out = c.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=16, temperature=0.9, top_p=0.95,
+                                   seed=11, stream=stream, extra_body={"top_k": 40})
+        text = "".join(ch.choices[0].text for ch in out) if stream else out.choices[0].text
+        assert text == want.text
+
+
+def test_chat_equals_library(chat_server, chat_bundle):
+    import specdec_rt
+
+    gen = specdec_rt.load(chat_bundle, threads=1)
+    c = client(chat_server)
+    want = gen.chat(MESSAGES, max_new_tokens=24, temperature=0)
+    out = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, temperature=0)
+    assert out.object == "chat.completion"
+    assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == want.text
+    assert out.choices[0].finish_reason == ("stop" if want.finish_reason == "eos" else "length")
+    assert out.usage.prompt_tokens == len(gen.apply_chat_template(MESSAGES, tokenize=True))
+    chunks = list(c.chat.completions.create(model="tiny", messages=MESSAGES, max_completion_tokens=24,
+                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert all(ch.object == "chat.completion.chunk" for ch in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks[:-1]) == want.text
+    assert chunks[-2].choices[0].finish_reason == out.choices[0].finish_reason
+    assert chunks[-1].usage.total_tokens == out.usage.total_tokens
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Write a function"},
+                                          {"type": "text", "text": "that adds two numbers."}]}]
+    want = gen.chat([{"role": "user", "content": "Write a function\nthat adds two numbers."}], max_new_tokens=8,
+                    temperature=0)
+    assert c.chat.completions.create(model="tiny", messages=parts, max_tokens=8, temperature=0) \
+        .choices[0].message.content == want.text
+
+
+def test_chat_without_template_is_400(server):
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        client(server).chat.completions.create(model="tiny", messages=MESSAGES)
+
+
+def test_models_and_unknown_model(server):
+    c = client(server)
+    models = c.models.list()
+    assert [m.id for m in models.data] == ["tiny"] and models.data[0].owned_by == "specdec-rt"
+    assert c.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as err:
+        c.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    assert err.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("gpt-4")
+
+
+def test_specdec_overrides_and_metrics(server, tiny_gen):
+    c = client(server)
+    want = tiny_gen.generate(PROMPTS[0], max_new_tokens=16, temperature=0, drafter=None).text
+    before = metrics(server)
+    for ext in ({"num_draft_tokens": 2}, {"num_draft_tokens": "auto"}, {"drafter": "prompt_lookup"},
+                {"drafter": "none"}, {"speculation": "tree", "num_draft_tokens": 6}, {"drafter": "model"}):
+        out = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=16, temperature=0,
+                                   extra_body={"specdec": ext})
+        assert out.choices[0].text == want, ext  # greedy: identical whatever the speculation
+    after = metrics(server)
+
+    def delta(name, labels=()):
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+
+    assert delta("specdec:spec_decode_num_drafts_total") > 0
+    assert delta("specdec:spec_decode_num_draft_tokens_total") >= delta("specdec:spec_decode_num_drafts_total")
+    accepted = delta("specdec:spec_decode_num_accepted_tokens_total")
+    per_pos = sum(v - before.get(k, 0) for k, v in after.items()
+                  if k[0] == "specdec:spec_decode_num_accepted_tokens_per_pos_total")
+    assert per_pos == accepted
+    assert delta("specdec:generation_tokens_total") == 6 * 16
+    assert delta("specdec:request_success_total", (("finished_reason", "length"),)) == 6
+    assert delta("specdec:http_requests_total", (("method", "POST"), ("route", "/v1/completions"),
+                                                 ("status", "200"))) == 6
+    assert delta("specdec:time_to_first_token_seconds_count") == 6
+    assert delta("specdec:inter_token_latency_seconds_count") == 6 * 15
+    text = httpx.get(server + "/metrics").text
+    for name in METRIC_NAMES:
+        assert f"specdec:{name}" in text, name
+
+
+def test_health(server):
+    r = httpx.get(server + "/health")
+    assert r.status_code == 200
+    h = r.json()
+    assert h["status"] == "ok" and h["model"] == "tiny" and h["has_draft"] is True
+    assert h["queue_depth"] == 0 and h["running"] == 0 and h["max_length"] == 256
+
+
+# -- bad input: 4xx with an OpenAI error body, never a 500, and the server keeps serving ----------------
+BAD = [
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": ', 400, "invalid_json", None),
+    ("/v1/completions", b"\xff\xfe not utf-8", 400, "invalid_json", None),
+    ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, "invalid_json", None),
+    ("/v1/completions", b"[1, 2]", 400, "invalid_body", None),
+    ("/v1/completions", {"prompt": 5}, 400, "invalid_type", "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "8"}, 400, "invalid_type", "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 8.0}, 400, "invalid_type", "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "invalid_value", "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "invalid_value", "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10 ** 12}, 400, "invalid_value", "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 256}, 400, "context_length_exceeded", "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": -0.5}, 400, "invalid_value", "temperature"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "invalid_type", "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "invalid_value", "top_p"),
+    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "invalid_value", "top_p"),
+    ("/v1/completions", {"prompt": "x", "top_k": -2}, 400, "invalid_value", "top_k"),
+    ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "invalid_value", "seed"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "unsupported_parameter", "n"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "unsupported_parameter", "best_of"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "unsupported_parameter", "logprobs"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "unsupported_parameter", "presence_penalty"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "unsupported_parameter", "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, "invalid_value", "prompt"),
+    ("/v1/completions", {"prompt": [1, 99999]}, 400, "invalid_value", "prompt"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "missing_parameter", "prompt"),
+    ("/v1/completions", {"prompt": "def f(x):\n" * 400}, 400, "context_length_exceeded", "prompt"),
+    ("/v1/completions", {"prompt": "x", "stop": [1]}, 400, "invalid_type", "stop"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "invalid_value", "stop"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "invalid_type", "stream"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "invalid_value",
+     "stream_options"),
+    ("/v1/completions", {"prompt": "x", "bogus": 1}, 400, "unknown_parameter", "bogus"),
+    ("/v1/completions", {"prompt": "x", "model": "nope"}, 404, "model_not_found", "model"),
+    ("/v1/completions", {"prompt": "x", "model": 3}, 400, "invalid_type", "model"),
+    ("/v1/completions", {"prompt": "x", "specdec": {"drafter": "magic"}}, 400, "invalid_value", "specdec.drafter"),
+    ("/v1/completions", {"prompt": "x", "specdec": {"num_draft_tokens": 65}}, 400, "invalid_value",
+     "specdec.num_draft_tokens"),
+    ("/v1/completions", {"prompt": "x", "specdec": {"speculation": "tree", "drafter": "none"}}, 400,
+     "invalid_value", "specdec.speculation"),
+    ("/v1/completions", {"prompt": "x", "specdec": {"timeout": 0}}, 400, "invalid_value", "specdec.timeout"),
+    ("/v1/completions", {"prompt": "x", "specdec": {"k": 1}}, 400, "unknown_parameter", "specdec.k"),
+    ("/v1/completions", {"prompt": "x", "specdec": 4}, 400, "invalid_type", "specdec"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "invalid_value", "messages"),
+    ("/v1/chat/completions", {"messages": []}, 400, "invalid_value", "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "invalid_type", "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "invalid_type",
+     "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "unsupported_parameter", "messages[0].content"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, 400,
+     "unsupported_parameter", "tools"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "prompt": "x"}, 400, "unknown_parameter", "prompt"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, code, param", BAD,
+                         ids=[f"{i}-{b[2]}-{b[3]}" for i, b in enumerate(BAD)])
+def test_bad_input_is_4xx(server, path, body, status, code, param):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server + path, content=data, headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == code and err["param"] == param, err
+    assert err["message"] and "Traceback" not in err["message"]
+    assert httpx.get(server + "/health").status_code == 200
+
+
+def test_bad_input_through_the_client(server):
+    c = client(server)
+    with pytest.raises(openai.BadRequestError, match="'n' must be 1"):
+        c.completions.create(model="tiny", prompt="x", n=2)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        c.completions.create(model="tiny", prompt="x", temperature=-1, stream=True)
+    with pytest.raises(openai.BadRequestError, match="context"):
+        c.completions.create(model="tiny", prompt="def f(x):\n" * 400, max_tokens=4)
+
+
+def test_oversized_body_is_413(tiny_pair):
+    with serve(tiny_pair["bundle"], max_body_bytes=1000) as (url, app):
+        body = json.dumps({"prompt": "x" * 2000}).encode()
+        r = httpx.post(url + "/v1/completions", content=body)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+        def chunked():  # no Content-Length: counted while reading
+            for i in range(0, len(body), 100):
+                yield body[i:i + 100]
+
+        r = httpx.post(url + "/v1/completions", content=chunked())
+        assert r.status_code == 413 and "1000 bytes" in r.json()["error"]["message"]
+        assert httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_unknown_route_and_method(server):
+    r = httpx.get(server + "/v1/nothing")
+    assert r.status_code == 404 and "no route" in r.json()["error"]["message"]
+    r = httpx.get(server + "/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+# -- scheduling: queue limit, disconnects, deadlines ---------------------------------------------------
+def _first_chunk(url: str, body: dict):
+    """Open a streamed request and read until its first data line; return (client, response, lines).
+    Keep ``lines`` referenced: a dropped line iterator closes the connection."""
+    c = httpx.Client(timeout=60)
+    resp = c.send(c.build_request("POST", url + "/v1/completions", json=body), stream=True)
+    assert resp.status_code == 200
+    lines = resp.iter_lines()
+    for line in lines:
+        if line.startswith("data: "):
+            break
+    return c, resp, lines
+
+
+def _wait_idle(url: str, timeout: float = 10.0) -> float:
+    t0 = time.monotonic()
+    while True:
+        h = httpx.get(url + "/health").json()
+        if h["running"] == 0 and h["queue_depth"] == 0:
+            return time.monotonic() - t0
+        assert time.monotonic() - t0 < timeout, h
+        time.sleep(0.01)
+
+
+LONG = {"prompt": "def f(", "max_tokens": 240, "temperature": 0, "stream": True,
+        "specdec": {"drafter": "none"}, "ignore_eos": True}
+
+
+def test_queue_full_is_429(tiny_pair):
+    with serve(tiny_pair["bundle"], step_delay=0.01, max_queue=0) as (url, app):
+        c, resp, _lines = _first_chunk(url, LONG)  # occupies the only slot
+        try:
+            r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert r.status_code == 429, r.text
+            assert r.json()["error"]["code"] == "queue_full" and r.json()["error"]["type"] == "rate_limit_error"
+            with pytest.raises(openai.RateLimitError):
+                client(url).completions.create(model="tiny", prompt="x", max_tokens=2)
+        finally:
+            resp.close()
+            c.close()
+        _wait_idle(url)
+        assert httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_disconnect_frees_the_slot(tiny_pair):
+    with serve(tiny_pair["bundle"], step_delay=0.01, max_queue=0) as (url, app):
+        before = metrics(url)
+        c, resp, _lines = _first_chunk(url, LONG)
+        resp.close()  # the client goes away mid-stream
+        c.close()
+        freed = _wait_idle(url)
+        after = metrics(url)
+        generated = after[("specdec:generation_tokens_total", ())] - before.get(("specdec:generation_tokens_total", ()), 0)
+        assert after[("specdec:request_success_total", (("finished_reason", "abort"),))] == 1
+        assert generated < LONG["max_tokens"] // 2, generated  # stopped early, not run to the end
+        assert freed < 5
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 200  # the slot is free again
+
+
+def test_disconnect_while_queued(tiny_pair):
+    """A waiting request whose client leaves is dropped from the queue (never generated)."""
+    with serve(tiny_pair["bundle"], step_delay=0.01, max_queue=4) as (url, app):
+        c1, r1, lines1 = _first_chunk(url, LONG)
+        host, port = url[len("http://"):].split(":")
+        body = json.dumps(LONG).encode()
+        raw = socket.create_connection((host, int(port)))  # a second stream, queued behind the first
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        deadline = time.monotonic() + 10
+        while httpx.get(url + "/health").json()["queue_depth"] != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        raw.close()  # its client leaves while it waits
+        while httpx.get(url + "/health").json()["queue_depth"] != 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines1
+                       if line.startswith("data: {") and json.loads(line[6:])["choices"])
+        r1.close()
+        c1.close()
+        assert text  # the running one was not disturbed
+        _wait_idle(url)
+        m = metrics(url)
+        assert m[("specdec:request_success_total", (("finished_reason", "abort"),))] == 1
+        assert m[("specdec:request_success_total", (("finished_reason", "length"),))] == 1
+
+
+def test_deadline_is_a_clean_error(tiny_pair):
+    with serve(tiny_pair["bundle"]) as (url, app):
+        body = {**LONG, "stream": False, "specdec": {"drafter": "none", "timeout": 0.02}}
+        r = httpx.post(url + "/v1/completions", json=body)
+        assert r.status_code == 504, r.text
+        assert r.json()["error"]["code"] == "deadline_exceeded" and r.json()["error"]["type"] == "timeout_error"
+        _wait_idle(url)
+        m = metrics(url)
+        assert m[("specdec:request_success_total", (("finished_reason", "deadline"),))] == 1
+        with client(url) as c:  # streamed: the error arrives in-band after the first chunks
+            with pytest.raises(openai.APIError, match="deadline"):
+                for _ in c.completions.create(model="tiny", prompt="def f(", max_tokens=240, stream=True,
+                                              extra_body={"ignore_eos": True,
+                                                          "specdec": {"drafter": "none", "timeout": 0.05}}):
+                    pass
+        assert httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "specdec_rt.serving", "--bundle", str(tmp_path / "none")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert r.stderr.startswith("error: ") and "Traceback" not in r.stderr, r.stderr
+
+
+def test_jetson_service_runs_specdec_serve():
+    """The systemd unit's command line parses with specdec-serve's own parser."""
+    import shlex
+    from pathlib import Path
+
+    from specdec_rt.serving.cli import build_parser
+
+    unit = (Path(__file__).parents[1] / "deploy" / "jetson" / "specdec.service").read_text()
+    env = dict(line[len("Environment="):].split("=", 1) for line in unit.splitlines()
+               if line.startswith("Environment="))
+    cmd = next(line[len("ExecStart="):] for line in unit.splitlines() if line.startswith("ExecStart="))
+    for key, value in env.items():
+        cmd = cmd.replace("${%s}" % key, value)
+    argv = shlex.split(cmd)
+    assert argv[0].endswith("/specdec-serve") and "$" not in cmd
+    args = build_parser().parse_args(argv[1:])
+    assert args.provider == "cuda" and args.host == "127.0.0.1" and args.max_context == 1024
+    assert "specdec-serve" in (Path(__file__).parents[1] / "deploy" / "jetson" / "run_server.sh").read_text()
+
+
+def test_scheduler_stops_a_cancelled_job_at_the_next_step(tiny_gen):
+    """SerialScheduler directly: after cancel() the worker runs at most the step in progress."""
+    import asyncio
+
+    from specdec_rt.serving.scheduler import GenSpec, SerialScheduler
+
+    class Counting(SlowGen):
+        steps = 0
+
+        def stream(self, *args, **kwargs):
+            for piece in self._gen.stream(*args, **kwargs):
+                Counting.steps += 1
+                time.sleep(self._delay)
+                yield piece
+
+    sched = SerialScheduler(Counting(tiny_gen, 0.005), max_queue=2)
+    sched.start()
+
+    async def run():
+        ids = tiny_gen.tokenizer.encode("def f(")
+        job = sched.submit(GenSpec(ids, {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True,
+                                         "drafter": None}))
+        queued = sched.submit(GenSpec(ids, {"max_new_tokens": 5, "drafter": None}))
+        kinds = []
+        async for event in job.events():
+            kinds.append(event.kind)
+            if len(kinds) == 3:
+                at_cancel = Counting.steps
+                job.cancel()
+        queued.cancel()  # still waiting: dropped without running
+        assert [e.kind async for e in queued.events()] == ["cancelled"]
+        return kinds, at_cancel
+
+    try:
+        kinds, at_cancel = asyncio.run(run())
+    finally:
+        sched.close(10)
+    assert kinds[-1] == "cancelled" and kinds.count("piece") <= 4
+    assert Counting.steps <= at_cancel + 1  # the step running at cancel time, no more
+    assert sched.running == 0 and sched.queue_depth == 0
