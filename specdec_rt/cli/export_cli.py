@@ -16,7 +16,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--target", required=True, help="target checkpoint folder (config.json + weights)")
     ap.add_argument("--draft", default=None, help="draft checkpoint folder (optional)")
     ap.add_argument("--out", required=True, help="bundle directory to write")
-    ap.add_argument("--dtype", default="fp32", choices=["fp32", "fp16"], help="graph dtype (default fp32)")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"],
+                    help="graph dtype: fp32 (default; exact for bf16/fp16/fp32 checkpoints) or fp16 (half the "
+                         "size); bf16 is refused: ONNX Runtime's CPU EP has no bfloat16 MatMul/Add kernels")
     ap.add_argument("--quantize", default=None, choices=["int8", "int4"],
                     help="weight-only MatMulNBits quantization")
     ap.add_argument("--quantize-models", default="target,draft",
@@ -51,14 +53,23 @@ def main(argv: list[str] | None = None) -> int:
         summary = {}
         for role, m in manifest["models"].items():
             row = {k: m[k] for k in ("family", "num_parameters", "num_nodes", "size_bytes", "quantization")}
-            row["max_logit_error"] = m["validation"].get("max_logit_error")
             quant = m["validation"].get("quantized")
-            if quant:  # the quantized graph vs the fp32 PyTorch model
+            if quant:  # the quantized graph vs the PyTorch model (computing in float32)
                 row["size_bytes_unquantized"] = m["size_bytes_unquantized"]
                 row["quantized_max_logit_error"] = quant["max_logit_error"]
                 row["quantized_top1_agreement"] = quant["top1_agreement"]
+            else:
+                row["max_logit_error"] = m["validation"].get("max_logit_error")
+            row["peak_rss_bytes"] = m.get("export_peak_rss_bytes")
             summary[role] = row
-        print(json.dumps({"bundle": args.out, "export_seconds": manifest["export_seconds"], "models": summary}, indent=2))
+        peak = manifest.get("export_peak_rss_bytes")
+        print(json.dumps({"bundle": args.out, "export_seconds": manifest["export_seconds"],
+                          "stage_seconds": manifest.get("stage_seconds"),
+                          "stage_peak_rss_mib": {k: v >> 20 for k, v in manifest.get("stage_peak_rss_bytes", {}).items()},
+                          "models": summary,
+                          "export_peak_rss_bytes": peak}, indent=2))
+        if peak:
+            print(f"export peak RSS: {peak / 2**30:.2f} GiB (getrusage ru_maxrss)")
         return 0
 
     return fail(run)

@@ -5,9 +5,16 @@ wrong K/V layout. Every export is run through ONNX Runtime for prefill (P = 0), 
 (S = 4 on P > 0), single-token decode (S = 1, which must also equal the matching row of the
 S = 4 call) and a token tree (custom mask, depth positions), and compared with PyTorch; models
 with a short sliding window repeat all of it on a past longer than the window.
+
+Two phases, so that PyTorch and ONNX Runtime never hold a large model at the same time:
+``reference_outputs`` runs PyTorch for every case (two forward calls per run: the sequence, and
+every root-to-node tree path in one padded batch), the exporter frees the torch model, and
+``compare`` runs the graph. Sequences are short (11 tokens + a 7-node tree): the cost at scale
+is loading, not the cases.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -31,6 +38,9 @@ class ValidationReport:
     top1_agreement: float = 1.0
     tolerance: float = 0.0
     cases: dict[str, float] = field(default_factory=dict)
+    # where the time went: PyTorch's reference calls, ONNX Runtime's session creation (reading the
+    # weights, prepacking) and the graph's runs on the cases
+    seconds: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -115,81 +125,151 @@ def _shortest_window(spec: ArchSpec) -> int | None:
     return min(windows) if windows else None
 
 
-def _run_cases(torch_model, runner: _OrtRunner, spec: ArchSpec, rng, prefix_len: int, verify_len: int,
-               tag: str) -> dict:
-    """Prefill, chain verify, decode and tree on a ``prefix_len``-token past; errors vs PyTorch."""
+@dataclass
+class Reference:
+    """PyTorch's outputs for one validation run: logits of every position, K/V, tree rows."""
+
+    prefix_len: int
+    verify_len: int
+    tag: str
+    tokens: list[int]
+    tree_tokens: list[int]
+    logits: np.ndarray  # [prefix_len + verify_len, V]
+    kv: list[tuple[np.ndarray, np.ndarray]]  # per layer [n, Hkv, D] (a sliding cache keeps the last n)
+    tree_rows: np.ndarray  # [len(TREE_PARENTS), V]: each node's row from its root-to-node path
+    seconds: float = 0.0  # PyTorch's time for this run
+
+
+def _tree_leaves(parents: list[int]) -> list[int]:
+    has_child = {p for p in parents if p >= 0}
+    return [i for i in range(len(parents)) if i not in has_child]
+
+
+def _reference_run(torch_model, spec: ArchSpec, rng, prefix_len: int, verify_len: int, tag: str) -> Reference:
+    """One PyTorch call: the validation sequence and every root-to-leaf tree path, right-padded
+    into one batch. Causal attention never looks right, so a sequence's rows are what a call on it
+    alone computes, and a tree node's row is its depth's row in any leaf path through it."""
     import torch
 
+    t0 = time.perf_counter()
     vocab = spec.vocab_size
     total = prefix_len + verify_len
     tokens = rng.integers(0, vocab, size=total).tolist()
-    with torch.no_grad():
-        ref = torch_model(torch.tensor([tokens]), use_cache=True)
-    ref_logits = ref.logits[0].float().numpy()
-    cases: dict[str, float] = {}
-
-    # prefill, P = 0
-    lg_a, kv_a = runner.run(tokens[:prefix_len], list(range(prefix_len)), runner.empty_past())
-    cases[f"prefill_P0{tag}"] = float(np.abs(lg_a - ref_logits[:prefix_len]).max())
-    # chain verify, S = verify_len on P > 0
-    past = kv_a
-    lg_b, kv_b = runner.run(tokens[prefix_len:], list(range(prefix_len, total)), past)
-    cases[f"verify_S{verify_len}{tag}"] = float(np.abs(lg_b - ref_logits[prefix_len:]).max())
-    # K/V of every position against PyTorch's cache
-    kv_err = 0.0
-    full = _concat(kv_a, kv_b)
-    for i in range(spec.num_layers):
-        rk, rv = _torch_kv(ref.past_key_values, i)
-        rk = rk[0].transpose(0, 1).float().numpy()
-        rv = rv[0].transpose(0, 1).float().numpy()
-        n = rk.shape[0]  # a sliding-window cache keeps only the last positions
-        kv_err = max(kv_err, float(np.abs(full[i][0][0][-n:].astype(np.float32) - rk).max()),
-                     float(np.abs(full[i][1][0][-n:].astype(np.float32) - rv).max()))
-    # decode S = 1 must equal the matching row of the S > 1 call
-    lg_c, _ = runner.run(tokens[prefix_len:prefix_len + 1], [prefix_len], past)
-    decode_vs_verify = float(np.abs(lg_c[0] - lg_b[0]).max())
-    cases[f"decode_S1{tag}"] = float(np.abs(lg_c[0] - ref_logits[prefix_len]).max())
-
-    # tree verify against sequential PyTorch runs of each root-to-node path
     visible, depth = tree_mask_and_depths(TREE_PARENTS)
     tree_tokens = rng.integers(0, vocab, size=len(TREE_PARENTS)).tolist()
-    lg_t, _ = runner.run(tree_tokens, (prefix_len + depth).tolist(), past, new_allowed=visible)
-    tree_err = 0.0
-    agree = []
-    for node in range(len(TREE_PARENTS)):
-        path = [j for j in range(len(TREE_PARENTS)) if visible[node, j]]
-        seq = tokens[:prefix_len] + [tree_tokens[j] for j in path]
-        with torch.no_grad():
-            row = torch_model(torch.tensor([seq])).logits[0, -1].float().numpy()
-        tree_err = max(tree_err, float(np.abs(lg_t[node] - row).max()))
-        agree.append(int(np.argmax(lg_t[node]) == np.argmax(row)))
-    cases[f"tree{tag}"] = tree_err
-    all_rows = np.concatenate([lg_a, lg_b])
-    agree += (np.argmax(all_rows, -1) == np.argmax(ref_logits, -1)).astype(int).tolist()
-    return {"cases": cases, "kv": kv_err, "decode_vs_verify": decode_vs_verify, "tree": tree_err,
-            "agree": agree, "scale": max(1.0, float(np.abs(ref_logits).max()))}
+    leaves = _tree_leaves(TREE_PARENTS)
+    seqs = [tokens] + [tokens[:prefix_len] + [tree_tokens[j] for j in np.flatnonzero(visible[leaf])]
+                       for leaf in leaves]
+    width = max(len(q) for q in seqs)
+    # the validation sequence (row 0) must be unpadded: its K/V are compared position by position
+    assert width == total, f"verify_len {verify_len} is shorter than the validation tree's deepest path"
+    lengths = torch.tensor([len(q) for q in seqs])
+    batch = torch.tensor([q + [0] * (width - len(q)) for q in seqs])
+    with torch.no_grad():
+        out = torch_model(batch, attention_mask=(torch.arange(width)[None, :] < lengths[:, None]).long(),
+                          use_cache=True)
+        logits = out.logits[0, :total].float().numpy().copy()
+        cache = out.cache if "cache" in out else out.past_key_values  # transformers >= 5.2x names it cache
+        kv = []
+        for i in range(spec.num_layers):
+            rk, rv = _torch_kv(cache, i)  # [B, Hkv, T, D]: the validation sequence is row 0, unpadded
+            kv.append((rk[0].transpose(0, 1).float().numpy().copy(), rv[0].transpose(0, 1).float().numpy().copy()))
+        rows = []
+        for node in range(len(TREE_PARENTS)):
+            b = 1 + next(i for i, leaf in enumerate(leaves) if visible[leaf, node])
+            rows.append(out.logits[b, prefix_len + depth[node]])
+        tree_rows = torch.stack(rows).float().numpy()
+    return Reference(prefix_len, verify_len, tag, tokens, tree_tokens, logits, kv, tree_rows,
+                     seconds=time.perf_counter() - t0)
 
 
-def validate(torch_model, onnx_path: str, spec: ArchSpec, *, kv_dtype=np.float32,
-             tolerance: float | None = None, enforce: bool = True, seed: int = 0,
-             prefix_len: int = 7, verify_len: int = 4) -> ValidationReport:
-    """Compare the ONNX graph with ``torch_model`` (fp32) on prefill, verify, decode and a tree.
-
-    With a sliding window of at most ``PAST_WINDOW_LIMIT`` tokens that the default past does not
-    exceed, every case runs a second time on a past longer than the window (cases ``*_past_window``).
-    """
-    rng = np.random.default_rng(seed)
-    runner = _OrtRunner(onnx_path, spec, np.dtype(kv_dtype))
+def _validation_runs(spec: ArchSpec, prefix_len: int, verify_len: int) -> list[tuple[int, str]]:
     runs = [(prefix_len, "")]
     window = _shortest_window(spec)
     if (window and prefix_len <= window <= PAST_WINDOW_LIMIT
             and window + 3 + verify_len + len(TREE_PARENTS) <= spec.max_positions):
         runs.append((window + 3, "_past_window"))
-    results = [_run_cases(torch_model, runner, spec, rng, p, verify_len, tag) for p, tag in runs]
+    return runs
 
+
+def reference_outputs(torch_model, spec: ArchSpec, *, seed: int = 0, prefix_len: int = 7,
+                      verify_len: int = 4) -> list[Reference]:
+    """Run PyTorch once for every validation case (then the model can be freed before any ONNX
+    Runtime session exists: the two never need memory at the same time).
+
+    A model stored in bf16 / fp16 computes in float32 here (``float32_compute``), as the graph does.
+    """
+    rng = np.random.default_rng(seed)
+    with float32_compute(torch_model):
+        return [_reference_run(torch_model, spec, rng, p, verify_len, tag)
+                for p, tag in _validation_runs(spec, prefix_len, verify_len)]
+
+
+class float32_compute:
+    """Context manager: a bf16 / fp16 torch model computes in float32, one module at a time.
+
+    Each module's own parameters are upcast (exactly) just before its forward and the originals put
+    back right after, so at most one module's float32 copy exists on top of the half-precision
+    model (an fp32 copy of the whole model would double the export's peak memory). Floating
+    buffers are made float32 for good (small), with Gemma's embedding scale recomputed from its
+    exact scalar (it was rounded to the load dtype). A no-op for a float32 model.
+    """
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.handles: list = []
+
+    def __enter__(self):
+        import torch
+
+        if all(p.dtype == torch.float32 for p in self.model.parameters()):
+            return self
+        for module in self.model.modules():
+            for name, buf in list(module.named_buffers(recurse=False)):
+                if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
+                    setattr(module, name, buf.float())
+            if hasattr(module, "scalar_embed_scale") and hasattr(module, "embed_scale"):
+                module.embed_scale = torch.tensor(float(module.scalar_embed_scale), dtype=torch.float32)
+            own = [p for p in module.parameters(recurse=False) if p.is_floating_point() and p.dtype != torch.float32]
+            if own:
+                self.handles.append(module.register_forward_pre_hook(self._up))
+                self.handles.append(module.register_forward_hook(self._down))
+        self._saved: dict[int, list] = {}
+        return self
+
+    def _up(self, module, args):
+        import torch
+
+        saved = []
+        for p in module.parameters(recurse=False):
+            if p.is_floating_point() and p.dtype != torch.float32:
+                saved.append((p, p.data))
+                p.data = p.data.float()
+        self._saved.setdefault(id(module), []).append(saved)
+
+    def _down(self, module, args, output):
+        for p, data in self._saved[id(module)].pop():
+            p.data = data
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+
+def compare(onnx_path: str, spec: ArchSpec, refs: list[Reference], *, kv_dtype=np.float32,
+            tolerance: float | None = None, enforce: bool = True) -> "ValidationReport":
+    """Run the graph on the cases of ``refs`` in ONNX Runtime and compare with PyTorch's outputs."""
+    t0 = time.perf_counter()
+    runner = _OrtRunner(onnx_path, spec, np.dtype(kv_dtype))
+    t1 = time.perf_counter()
+    results = [_compare_run(runner, spec, ref) for ref in refs]
+    del runner
     scale = max(r["scale"] for r in results)
     tol = tolerance if tolerance is not None else 1e-3 * scale
     report = ValidationReport(tolerance=tol)
+    report.seconds = {"reference": round(sum(r.seconds for r in refs), 3), "session": round(t1 - t0, 3),
+                      "cases": round(time.perf_counter() - t1, 3)}
     for r in results:
         report.cases.update(r["cases"])
     kv_err = report.max_kv_error = max(r["kv"] for r in results)
@@ -205,3 +285,54 @@ def validate(torch_model, onnx_path: str, spec: ArchSpec, *, kv_dtype=np.float32
             + ", ".join(f"{k}={v:.3g}" for k, v in report.cases.items())
         )
     return report
+
+
+def _compare_run(runner: _OrtRunner, spec: ArchSpec, ref: Reference) -> dict:
+    """Prefill, chain verify, decode and tree on a ``prefix_len``-token past; errors vs PyTorch."""
+    prefix_len, verify_len, tag, tokens = ref.prefix_len, ref.verify_len, ref.tag, ref.tokens
+    total = prefix_len + verify_len
+    ref_logits = ref.logits
+    cases: dict[str, float] = {}
+
+    # prefill, P = 0
+    lg_a, kv_a = runner.run(tokens[:prefix_len], list(range(prefix_len)), runner.empty_past())
+    cases[f"prefill_P0{tag}"] = float(np.abs(lg_a - ref_logits[:prefix_len]).max())
+    # chain verify, S = verify_len on P > 0
+    past = kv_a
+    lg_b, kv_b = runner.run(tokens[prefix_len:], list(range(prefix_len, total)), past)
+    cases[f"verify_S{verify_len}{tag}"] = float(np.abs(lg_b - ref_logits[prefix_len:]).max())
+    # K/V of every position against PyTorch's cache
+    kv_err = 0.0
+    full = _concat(kv_a, kv_b)
+    for i, (rk, rv) in enumerate(ref.kv):
+        n = rk.shape[0]  # a sliding-window cache keeps only the last positions
+        kv_err = max(kv_err, float(np.abs(full[i][0][0][-n:].astype(np.float32) - rk).max()),
+                     float(np.abs(full[i][1][0][-n:].astype(np.float32) - rv).max()))
+    # decode S = 1 must equal the matching row of the S > 1 call
+    lg_c, _ = runner.run(tokens[prefix_len:prefix_len + 1], [prefix_len], past)
+    decode_vs_verify = float(np.abs(lg_c[0] - lg_b[0]).max())
+    cases[f"decode_S1{tag}"] = float(np.abs(lg_c[0] - ref_logits[prefix_len]).max())
+
+    # tree verify against PyTorch runs of each root-to-node path
+    visible, depth = tree_mask_and_depths(TREE_PARENTS)
+    lg_t, _ = runner.run(ref.tree_tokens, (prefix_len + depth).tolist(), past, new_allowed=visible)
+    tree_err = float(np.abs(lg_t - ref.tree_rows).max())
+    agree = (np.argmax(lg_t, -1) == np.argmax(ref.tree_rows, -1)).astype(int).tolist()
+    cases[f"tree{tag}"] = tree_err
+    all_rows = np.concatenate([lg_a, lg_b])
+    agree += (np.argmax(all_rows, -1) == np.argmax(ref_logits, -1)).astype(int).tolist()
+    return {"cases": cases, "kv": kv_err, "decode_vs_verify": decode_vs_verify, "tree": tree_err,
+            "agree": agree, "scale": max(1.0, float(np.abs(ref_logits).max()))}
+
+
+def validate(torch_model, onnx_path: str, spec: ArchSpec, *, kv_dtype=np.float32,
+             tolerance: float | None = None, enforce: bool = True, seed: int = 0,
+             prefix_len: int = 7, verify_len: int = 4) -> ValidationReport:
+    """Compare the ONNX graph with ``torch_model`` (computing in float32) on prefill, verify,
+    decode and a tree: ``reference_outputs`` then ``compare``.
+
+    With a sliding window of at most ``PAST_WINDOW_LIMIT`` tokens that the default past does not
+    exceed, every case runs a second time on a past longer than the window (cases ``*_past_window``).
+    """
+    refs = reference_outputs(torch_model, spec, seed=seed, prefix_len=prefix_len, verify_len=verify_len)
+    return compare(onnx_path, spec, refs, kv_dtype=kv_dtype, tolerance=tolerance, enforce=enforce)
