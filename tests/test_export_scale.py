@@ -43,15 +43,22 @@ def root(tmp_path_factory) -> Path:
 
 
 @pytest.mark.filterwarnings("ignore:longrope")
+@pytest.mark.parametrize("blockwise", [False, True], ids=["whole", "blockwise"])
 @pytest.mark.parametrize("name", BF16_FAMILIES)
-def test_bf16_model_computes_exactly_as_float32(root, name):
+def test_bf16_model_computes_exactly_as_float32(root, name, blockwise, monkeypatch):
     """The exporter loads a bf16 checkpoint in bf16 (half the memory) and computes the validation
-    reference in float32 one module at a time: bit for bit what a float32 load computes."""
+    reference in float32 one module at a time: bit for bit what a float32 load computes, also
+    when large weights run as row blocks / looked-up rows instead of whole upcasts."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from specdec_rt.export import validate
     from specdec_rt.export.pipeline import _load_torch_model
     from specdec_rt.export.validate import float32_compute
+
+    if blockwise:  # LM head, embedding and MLP weights in blocks of 32 rows (real: >= 512 rows);
+        # measured bit for bit from 32 rows up, not for blocks of 16 or fewer (other BLAS kernels)
+        monkeypatch.setattr(validate, "LARGE_WEIGHT", 8192)
 
     ckpt = _bf16_checkpoint(name, root)
     half = _load_torch_model(ckpt)
@@ -137,11 +144,13 @@ def test_tied_embedding_stored_once(root):
     assert sizes["int4"] < 0.25 * sizes[None]
 
 
-def test_quantized_as_built_equals_onnxruntime_quantizer(root):
-    """Weights quantized while the graph is built are byte for byte what ONNX Runtime's
-    MatMulNBitsQuantizer writes for the float graph (int4 and int8, block 32, symmetric)."""
+def test_quantized_as_built_equals_onnxruntime_quantizer(root, monkeypatch):
+    """Weights quantized while the graph is built (the LM head in vocabulary blocks, here of 4 KiB)
+    are byte for byte what ONNX Runtime's MatMulNBitsQuantizer writes for the float graph (int4
+    and int8, block 32, symmetric)."""
     from onnx import numpy_helper
 
+    from specdec_rt.export import graph
     from specdec_rt.export.arch import extract
     from specdec_rt.export.graph import GraphOptions, build_model
     from specdec_rt.export.pipeline import _load_torch_model
@@ -150,7 +159,9 @@ def test_quantized_as_built_equals_onnxruntime_quantizer(root):
     model = _load_torch_model(make_checkpoint(_config("llama"), root / "llama_q", tokenizer_vocab=VOCAB))
     for scheme in ("int4", "int8"):
         spec, weights = extract(model, 256)
-        ours = build_model(spec, weights, GraphOptions(quantize=scheme, quantize_embedding=False))
+        with monkeypatch.context() as m:
+            m.setattr(graph, "VOCAB_BLOCK_BYTES", 4096)
+            ours = build_model(spec, weights, GraphOptions(quantize=scheme, quantize_embedding=False))
         spec, weights = extract(model, 256)
         theirs = quantize_weights(build_model(spec, weights, GraphOptions()), scheme)
 
@@ -233,3 +244,23 @@ def test_manifest_records_memory_and_stage_times(tiny_pair):
         assert set(info["validation"]["seconds"]) == {"reference", "session", "cases"}
     assert {"load target", "reference target", "build target", "validate target"} <= set(manifest["stage_seconds"])
     assert set(manifest["stage_peak_rss_bytes"]) == set(manifest["stage_seconds"])
+
+
+@pytest.mark.parametrize("quant", [None, "int4"])
+@pytest.mark.parametrize("name", ["llama", "qwen2_tied", "granite"])
+def test_vocabulary_blocks_write_the_same_bytes(root, name, quant, monkeypatch):
+    """Embedding and LM head converted (and quantized) in blocks of rows / columns: the external
+    data is byte for byte the same as in one block (untied, tied, tied with a folded multiplier)."""
+    from specdec_rt.export import graph
+    from specdec_rt.export.pipeline import ExportOptions, export_pair
+
+    cfg = _config("qwen2" if name == "qwen2_tied" else name)
+    cfg.tie_word_embeddings = name != "llama"
+    ckpt = make_checkpoint(cfg, root / f"blocks_{name}", tokenizer_vocab=VOCAB)
+    data = []
+    for block_bytes in (1 << 30, 4096):
+        monkeypatch.setattr(graph, "VOCAB_BLOCK_BYTES", block_bytes)
+        out = root / f"blocks_{name}_{quant}_{block_bytes}"
+        export_pair(ckpt, None, out, ExportOptions(progress=False, quantize=quant, validate=False))
+        data.append((out / "target" / "model.onnx.data").read_bytes())
+    assert data[0] == data[1]

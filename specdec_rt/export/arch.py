@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Union
+from typing import Callable
 
 import numpy as np
 
@@ -118,16 +118,43 @@ class LazyLayers(Sequence):
         return self._make(i % self._count)
 
 
-Matrix = Union[np.ndarray, Callable[[], np.ndarray]]  # an array, or a function that converts it on demand
+class VocabMatrix:
+    """A vocabulary-sized torch weight ``[V, hidden]`` (an embedding table, or an LM head's
+    ``nn.Linear`` weight), converted to float32 numpy in slices, never whole: at Gemma's 256k x
+    2304 a float32 copy alone is 2.4 GB.
+
+    ``rows(v0, v1)``: embedding layout ``[v1 - v0, hidden]``; ``columns_t(h0, h1)``: MatMul layout
+    ``[h1 - h0, V]`` (rows ``h0..h1`` of the transposed weight).
+    """
+
+    def __init__(self, weight) -> None:
+        self.weight = weight
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)
+
+    def rows(self, v0: int, v1: int) -> np.ndarray:
+        return _np(self.weight[v0:v1])
+
+    def columns_t(self, h0: int, h1: int) -> np.ndarray:
+        return _t(self.weight[:, h0:h1])
+
+    def embedding(self) -> np.ndarray:
+        return self.rows(0, self.shape[0])
+
+    def matmul(self) -> np.ndarray:
+        return self.columns_t(0, self.shape[1])
 
 
 @dataclass
 class ModelWeights:
-    """Canonical weights. The large ones (``embed``, ``lm_head``, ``layers``) may be lazy:
-    ``embed_matrix()`` / ``lm_head_matrix()`` convert on each call, ``layers`` converts per item."""
+    """Canonical weights. The decoder layers may be lazy (``LazyLayers``); the embedding and LM
+    head may be :class:`VocabMatrix` (the embedding as its table, the LM head as its ``[V, hidden]``
+    Linear weight; ``lm_head_matrix()`` is the ``[hidden, V]`` MatMul matrix)."""
 
-    embed: Matrix  # [V, hidden]
-    lm_head: Matrix  # [hidden, V]
+    embed: np.ndarray | VocabMatrix  # [V, hidden]
+    lm_head: np.ndarray | VocabMatrix  # ndarray: [hidden, V]; VocabMatrix: the [V, hidden] weight
     lm_head_b: np.ndarray | None
     final_norm_w: np.ndarray
     final_norm_b: np.ndarray | None
@@ -140,10 +167,10 @@ class ModelWeights:
     tied: bool = False
 
     def embed_matrix(self) -> np.ndarray:
-        return self.embed() if callable(self.embed) else self.embed
+        return self.embed.embedding() if isinstance(self.embed, VocabMatrix) else self.embed
 
     def lm_head_matrix(self) -> np.ndarray:
-        return self.lm_head() if callable(self.lm_head) else self.lm_head
+        return self.lm_head.matmul() if isinstance(self.lm_head, VocabMatrix) else self.lm_head
 
 
 def _np(t) -> np.ndarray | None:
@@ -511,7 +538,7 @@ def _llama_like(model, family: str, max_positions: int) -> tuple[ArchSpec, Model
     else:
         cos, sin = _rope_tables(model, rotary_dim, max_positions)
     weights = ModelWeights(
-        embed=lambda: _np(inner.embed_tokens.weight), lm_head=lambda: _t(model.lm_head.weight),
+        embed=VocabMatrix(inner.embed_tokens.weight), lm_head=VocabMatrix(model.lm_head.weight),
         lm_head_b=_np(getattr(model.lm_head, "bias", None)),
         final_norm_w=norm_w(inner.norm), final_norm_b=None,
         layers=layers, rope_cos=cos, rope_sin=sin, extra_rope=extra_rope,
@@ -564,7 +591,7 @@ def _starcoder2(model, family: str, max_positions: int) -> tuple[ArchSpec, Model
 
     cos, sin = _rope_tables(model, rotary_dim, max_positions)
     weights = ModelWeights(
-        embed=lambda: _np(inner.embed_tokens.weight), lm_head=lambda: _t(model.lm_head.weight),
+        embed=VocabMatrix(inner.embed_tokens.weight), lm_head=VocabMatrix(model.lm_head.weight),
         lm_head_b=_np(getattr(model.lm_head, "bias", None)),
         final_norm_w=_np(inner.norm.weight), final_norm_b=_np(inner.norm.bias),
         layers=LazyLayers(len(inner.layers), one_layer), rope_cos=cos, rope_sin=sin,
@@ -612,7 +639,7 @@ def _gpt2(model, family: str, max_positions: int) -> tuple[ArchSpec, ModelWeight
         )
 
     weights = ModelWeights(
-        embed=lambda: _np(tr.wte.weight), lm_head=lambda: _t(model.lm_head.weight),
+        embed=VocabMatrix(tr.wte.weight), lm_head=VocabMatrix(model.lm_head.weight),
         lm_head_b=_np(getattr(model.lm_head, "bias", None)),
         final_norm_w=_np(tr.ln_f.weight), final_norm_b=_np(tr.ln_f.bias),
         layers=LazyLayers(len(tr.h), one_layer), positions=_np(tr.wpe.weight)[:max_positions].copy(),
@@ -668,7 +695,7 @@ def _gpt_neox(model, family: str, max_positions: int) -> tuple[ArchSpec, ModelWe
     lm_head = model.embed_out if hasattr(model, "embed_out") else model.lm_head
     cos, sin = _rope_tables(model, rotary_dim, max_positions)
     weights = ModelWeights(
-        embed=lambda: _np(inner.embed_in.weight), lm_head=lambda: _t(lm_head.weight),
+        embed=VocabMatrix(inner.embed_in.weight), lm_head=VocabMatrix(lm_head.weight),
         lm_head_b=_np(getattr(lm_head, "bias", None)),
         final_norm_w=_np(inner.final_layer_norm.weight), final_norm_b=_np(inner.final_layer_norm.bias),
         layers=LazyLayers(len(inner.layers), one_layer), rope_cos=cos, rope_sin=sin,

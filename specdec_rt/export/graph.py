@@ -31,7 +31,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from specdec_rt.export.arch import ArchSpec, ModelWeights
+from specdec_rt.export.arch import ArchSpec, ModelWeights, VocabMatrix
 from specdec_rt.export.errors import ExportError
 from specdec_rt.export.quantize import ACCURACY_LEVEL, BLOCK_SIZE, QUANT_BITS, quantize_blockwise
 
@@ -42,6 +42,14 @@ _NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): Te
 GRAPH_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 FP16_MAX = float(np.finfo(np.float16).max)
 EXTERNAL_THRESHOLD = 1024  # bytes: smaller initializers stay inside the .onnx file
+VOCAB_BLOCK_BYTES = 64 << 20  # vocabulary-sized matrices are converted in float32 blocks of this size
+
+
+def _blocks(n: int, row_elems: int):
+    """Ranges (a, b) covering 0..n whose float32 rows of ``row_elems`` fit VOCAB_BLOCK_BYTES."""
+    step = max(1, VOCAB_BLOCK_BYTES // (4 * max(1, row_elems)))
+    for a in range(0, n, step):
+        yield a, min(n, a + step)
 
 
 @dataclass
@@ -60,8 +68,8 @@ class GraphOptions:
 class TensorWriter:
     """Appends initializers to one external-data file and returns TensorProtos that point at them.
 
-    Tensors of 1 MiB or more start at a multiple of 64 KiB (ONNX Runtime can then map them from
-    the file instead of copying); the sha256 of the file is computed as it is written. An error
+    Tensors of 1 MiB or more start at a multiple of 64 KiB (as onnx's own writer aligns them, so
+    that a runtime may map them); the sha256 of the file is computed as it is written. An error
     while writing (a full disk above all) is an :class:`ExportError` naming the file.
     """
 
@@ -94,17 +102,27 @@ class TensorWriter:
         raise ExportError(f"cannot write {self.path}: {exc.strerror or exc}") from None
 
     def add(self, arr: np.ndarray, name: str) -> onnx.TensorProto:
-        arr = np.ascontiguousarray(arr)
-        if arr.nbytes >= self.ALIGN_THRESHOLD and self.offset % self.ALIGN:
+        arr = np.asarray(arr)
+        return self.add_blocks(name, arr.dtype, arr.shape, [arr])
+
+    def add_blocks(self, name: str, dtype, shape, blocks) -> onnx.TensorProto:
+        """One tensor of ``shape`` written from consecutive blocks along its first axis."""
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if nbytes >= self.ALIGN_THRESHOLD and self.offset % self.ALIGN:
             self._write(bytes(self.ALIGN - self.offset % self.ALIGN))
         start = self.offset
-        self._write(memoryview(arr.reshape(-1)).cast("B"))
+        for block in blocks:
+            block = np.ascontiguousarray(block, dtype=dtype)
+            self._write(memoryview(block.reshape(-1)).cast("B"))
+        if self.offset - start != nbytes:
+            raise ValueError(f"{name}: wrote {self.offset - start} bytes for a {list(shape)} {dtype} tensor")
         t = onnx.TensorProto()
         t.name = name
-        t.data_type = helper.np_dtype_to_tensor_dtype(arr.dtype)
-        t.dims.extend(arr.shape)
+        t.data_type = helper.np_dtype_to_tensor_dtype(dtype)
+        t.dims.extend(shape)
         t.data_location = TensorProto.EXTERNAL
-        for key, value in (("location", self.location), ("offset", str(start)), ("length", str(arr.nbytes))):
+        for key, value in (("location", self.location), ("offset", str(start)), ("length", str(nbytes))):
             entry = t.external_data.add()
             entry.key, entry.value = key, value
         return t
@@ -144,28 +162,54 @@ class _Graph:
         self._count += 1
         return f"{hint}_{self._count}"
 
+    def _float(self, arr: np.ndarray, hint: str) -> np.ndarray:
+        """``arr`` in the graph dtype; a value beyond float16's range is an error, not an inf."""
+        if self.np_dtype == np.float16 and arr.dtype != np.float16 and arr.size:
+            peak = float(np.max(np.abs(arr)))
+            if peak > FP16_MAX:
+                raise ExportError(f"weight '{hint}' has values up to {peak:.4g}, beyond float16's range "
+                                  f"({FP16_MAX:.0f}); export with --dtype fp32")
+        return arr.astype(self.np_dtype, copy=False)
+
     def const(self, array: np.ndarray, hint: str, dtype: np.dtype | None = None) -> str:
         name = self.name(hint)
         arr = np.asarray(array)
         if dtype is not None:
             arr = arr.astype(dtype, copy=False)
         elif arr.dtype.kind == "f":
-            if self.np_dtype == np.float16 and arr.dtype != np.float16 and arr.size:
-                peak = float(np.max(np.abs(arr)))
-                if peak > FP16_MAX:
-                    raise ExportError(f"weight '{hint}' has values up to {peak:.4g}, beyond float16's range "
-                                      f"({FP16_MAX:.0f}); export with --dtype fp32")
-            arr = arr.astype(self.np_dtype, copy=False)
+            arr = self._float(arr, hint)
         if arr.dtype.kind == "f":
             self.num_params += arr.size
         self.unquantized_bytes += arr.nbytes
         self._add(arr, name)
         return name
 
+    def const_blocks(self, hint: str, shape: tuple[int, ...], blocks) -> str:
+        """A float weight of ``shape`` produced as consecutive blocks along axis 0 (each converted
+        to the graph dtype and written before the next exists)."""
+        name = self.name(hint)
+        n = int(np.prod(shape, dtype=np.int64))
+        self.num_params += n
+        self.unquantized_bytes += n * self.np_dtype.itemsize
+        converted = (self._float(np.asarray(b), hint) for b in blocks)
+        if self.writer is None:
+            self.inits.append(numpy_helper.from_array(np.concatenate(list(converted)).reshape(shape), name))
+        else:
+            self.inits.append(self.writer.add_blocks(name, self.np_dtype, shape, converted))
+        return name
+
     def packed(self, array: np.ndarray, hint: str) -> str:
         """A quantized tensor (uint8 packed weights or their scales), stored as is."""
         name = self.name(hint)
         self._add(np.asarray(array), name)
+        return name
+
+    def packed_blocks(self, hint: str, dtype, shape: tuple[int, ...], blocks) -> str:
+        name = self.name(hint)
+        if self.writer is None:
+            self.inits.append(numpy_helper.from_array(np.concatenate(list(blocks)).reshape(shape), name))
+        else:
+            self.inits.append(self.writer.add_blocks(name, dtype, shape, blocks))
         return name
 
     def _add(self, arr: np.ndarray, name: str) -> None:
@@ -549,6 +593,39 @@ class GraphBuilder:
             fold /= s.final_softcap
         return fold
 
+    def _vocab_matmul(self, source, hint: str, fold: float = 1.0) -> str:
+        """The LM head's ``[hidden, V]`` MatMul matrix, converted and written in row blocks."""
+        if not isinstance(source, VocabMatrix):
+            return self.g.const(source * fold if fold != 1.0 else source, hint)
+        v, h = source.shape
+        blocks = (source.columns_t(a, b) * fold if fold != 1.0 else source.columns_t(a, b) for a, b in _blocks(h, v))
+        return self.g.const_blocks(hint, (h, v), blocks)
+
+    def _vocab_quantized(self, source, hint: str, fold: float = 1.0) -> tuple[str, str]:
+        """Quantize the ``[hidden, V]`` matrix of ``source`` (a VocabMatrix, or an array already in
+        MatMul layout) in blocks of vocabulary columns: the same bytes as quantizing it whole."""
+        if not isinstance(source, VocabMatrix):
+            return self._quantized(source * fold if fold != 1.0 else source, hint)
+        g = self.g
+        v, h = source.shape
+        g.num_params += v * h
+        g.unquantized_bytes += v * h * g.np_dtype.itemsize
+        bs = self.opt.block_size
+        k_blocks, blob = (h + bs - 1) // bs, bs * self.bits // 8
+        scales: list[np.ndarray] = []
+
+        def packed_blocks():
+            for a, b in _blocks(v, h):
+                rows = source.rows(a, b)  # [b - a, hidden]: columns a..b of the MatMul matrix
+                if fold != 1.0:
+                    rows = rows * fold
+                packed, sc = quantize_blockwise(np.ascontiguousarray(rows.T), self.bits, bs)
+                scales.append(sc)
+                yield packed
+
+        packed = g.packed_blocks(hint + "_q", np.uint8, (v, k_blocks, blob), packed_blocks())
+        return packed, g.packed(np.concatenate(scales).astype(g.np_dtype), hint + "_scales")
+
     def _embedding(self) -> str:
         """Token embeddings [B, S, hidden].
 
@@ -556,31 +633,34 @@ class GraphBuilder:
         once: the LM head's [hidden, V] matrix (or its quantized form) also serves the lookup,
         by ``Gather`` on axis 1 + ``Transpose`` (float) or ``GatherBlockQuantized`` (quantized).
         Quantized untied tables are stored in the same packed layout; a hidden size that is not a
-        multiple of the block size keeps a float table.
+        multiple of the block size keeps a float table. Vocabulary-sized matrices are converted
+        in blocks of at most VOCAB_BLOCK_BYTES.
         """
         g, s, w = self.g, self.spec, self.w
         self._lm: tuple | None = None  # the LM head, when the embedding emitted it
         shared = w.tied and w.lm_head_b is None and self._logit_fold() == 1.0
         quantized_table = self.bits and self.opt.quantize_embedding and s.hidden_size % self.opt.block_size == 0
         if shared and (quantized_table or not self.bits):
-            lm_w = w.lm_head_matrix()  # [hidden, V]
             if self.bits:
-                packed, scales = self._quantized(lm_w, "lm_head")
+                packed, scales = self._vocab_quantized(w.lm_head, "lm_head")
                 self._lm = ("nbits", packed, scales)
-                del lm_w
                 return self._gather_quantized(packed, scales)
-            table = g.const(lm_w, "lm_head_w")
+            table = self._vocab_matmul(w.lm_head, "lm_head_w")
             self._lm = ("float", table)
-            del lm_w
             x = g.op("Gather", [table, "input_ids"], "embed_tokens", axis=1)  # [hidden, B, S]
             return g.op("Transpose", [x], "embed_tokens_bsh", perm=[1, 2, 0])
-        embed = w.embed_matrix()  # [V, hidden]
+        embed = w.embed
         if quantized_table:
             # the table as the weight of x @ embed.T: packed [V, blocks, blob], like an LM head
-            packed, scales = self._quantized(np.ascontiguousarray(embed.T), "embed")
-            del embed
+            source = embed if isinstance(embed, VocabMatrix) else np.ascontiguousarray(embed.T)
+            packed, scales = self._vocab_quantized(source, "embed")
             return self._gather_quantized(packed, scales)
-        return g.op("Gather", [g.const(embed, "embed"), "input_ids"], "embed_tokens")
+        if isinstance(embed, VocabMatrix):
+            v, h = embed.shape
+            table = g.const_blocks("embed", (v, h), (embed.rows(a, b) for a, b in _blocks(v, h)))
+        else:
+            table = g.const(embed, "embed")
+        return g.op("Gather", [table, "input_ids"], "embed_tokens")
 
     def _gather_quantized(self, packed: str, scales: str) -> str:
         """Rows of a table packed like a MatMulNBits weight ([V, blocks, blob], scales [V, blocks]);
@@ -597,12 +677,15 @@ class GraphBuilder:
             return self._matmul_nbits(final, self._lm[1], self._lm[2], s.hidden_size, s.vocab_size, "lm_head")
         if self._lm is not None:
             return g.op("MatMul", [final, self._lm[1]], "lm_head")
-        lm_w, lm_b = w.lm_head_matrix(), w.lm_head_b
         fold = self._logit_fold()
-        if fold != 1.0:
-            lm_w = lm_w * fold
-            lm_b = None if lm_b is None else lm_b * fold
-        return self._linear(final, lm_w, lm_b, "lm_head")
+        if self.bits:
+            packed, scales = self._vocab_quantized(w.lm_head, "lm_head", fold)
+            y = self._matmul_nbits(final, packed, scales, s.hidden_size, s.vocab_size, "lm_head")
+        else:
+            y = g.op("MatMul", [final, self._vocab_matmul(w.lm_head, "lm_head_w", fold)], "lm_head")
+        if w.lm_head_b is not None:
+            y = g.op("Add", [y, g.const(w.lm_head_b * fold, "lm_head_b")], "lm_head_bias")
+        return y
 
     def _fold_residual_multiplier(self, lw):
         """Granite's ``residual + branch * m``: m folded into the o and down projections."""

@@ -205,19 +205,28 @@ def reference_outputs(torch_model, spec: ArchSpec, *, seed: int = 0, prefix_len:
                 for p, tag in _validation_runs(spec, prefix_len, verify_len)]
 
 
+LARGE_WEIGHT = 16 << 20  # elements: a float32 copy of a larger weight is not made whole (64 MiB)
+
+
 class float32_compute:
     """Context manager: a bf16 / fp16 torch model computes in float32, one module at a time.
 
-    Each module's own parameters are upcast (exactly) just before its forward and the originals put
-    back right after, so at most one module's float32 copy exists on top of the half-precision
-    model (an fp32 copy of the whole model would double the export's peak memory). Floating
-    buffers are made float32 for good (small), with Gemma's embedding scale recomputed from its
-    exact scalar (it was rounded to the load dtype). A no-op for a float32 model.
+    Each module's own parameters are upcast (exactly) just before its forward and the originals
+    put back right after, so at most one module's float32 copy exists on top of the
+    half-precision model (an fp32 copy of the whole model would double the export's peak memory).
+    Vocabulary-sized weights are not upcast whole either: a large ``nn.Linear`` (the LM head)
+    runs in blocks of at least 512 output rows (each output column is the same dot product; bit
+    for bit with MKL's GEMM from 32-row blocks up, measured, not for gemv-sized blocks), a
+    large ``nn.Embedding`` looks its ids up in an upcast copy of just the rows they select.
+    Floating buffers are made float32 for good (small), with Gemma's embedding scale recomputed
+    from its exact scalar (it was rounded to the load dtype). A no-op for a float32 model.
     """
 
     def __init__(self, model) -> None:
         self.model = model
         self.handles: list = []
+        self.patched: list = []
+        self._saved: dict[int, list] = {}
 
     def __enter__(self):
         import torch
@@ -231,11 +240,32 @@ class float32_compute:
             if hasattr(module, "scalar_embed_scale") and hasattr(module, "embed_scale"):
                 module.embed_scale = torch.tensor(float(module.scalar_embed_scale), dtype=torch.float32)
             own = [p for p in module.parameters(recurse=False) if p.is_floating_point() and p.dtype != torch.float32]
-            if own:
+            if not own:
+                continue
+            weight = getattr(module, "weight", None)
+            large = weight is not None and weight.numel() >= LARGE_WEIGHT
+            if large and isinstance(module, torch.nn.Linear):
+                module.forward = self._blockwise_linear(module)
+                self.patched.append(module)
+            elif large and isinstance(module, torch.nn.Embedding):
+                self.handles.append(module.register_forward_pre_hook(self._rows_up))
+                self.handles.append(module.register_forward_hook(self._down))
+            else:
                 self.handles.append(module.register_forward_pre_hook(self._up))
                 self.handles.append(module.register_forward_hook(self._down))
-        self._saved: dict[int, list] = {}
         return self
+
+    @staticmethod
+    def _blockwise_linear(module):
+        import torch
+
+        def forward(x):
+            w, b = module.weight, module.bias
+            step = max(1, (LARGE_WEIGHT // 4) // w.shape[1])
+            return torch.cat([torch.nn.functional.linear(x, w[i:i + step].float(),
+                                                         None if b is None else b[i:i + step].float())
+                              for i in range(0, w.shape[0], step)], dim=-1)
+        return forward
 
     def _up(self, module, args):
         import torch
@@ -245,16 +275,37 @@ class float32_compute:
             if p.is_floating_point() and p.dtype != torch.float32:
                 saved.append((p, p.data))
                 p.data = p.data.float()
-        self._saved.setdefault(id(module), []).append(saved)
+        self._saved.setdefault(id(module), []).append((saved, None))
+
+    def _rows_up(self, module, args):
+        """Embedding lookup in float32 over only the rows its ids select (ids remapped)."""
+        import torch
+
+        if not args:  # ids passed by keyword: upcast the whole table
+            return self._up(module, args)
+        ids = args[0]
+        rows, remapped = torch.unique(ids, return_inverse=True)
+        p = module.weight
+        saved = [(p, p.data)]
+        p.data = p.data[rows].float()
+        self._saved.setdefault(id(module), []).append((saved, module.padding_idx))
+        module.padding_idx = None  # only shapes gradients; it may lie beyond the reduced table
+        return (remapped,) + tuple(args[1:])
 
     def _down(self, module, args, output):
-        for p, data in self._saved[id(module)].pop():
+        saved, padding_idx = self._saved[id(module)].pop()
+        for p, data in saved:
             p.data = data
+        if isinstance(padding_idx, int):
+            module.padding_idx = padding_idx
 
     def __exit__(self, *exc) -> None:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        for module in self.patched:
+            del module.forward
+        self.patched.clear()
 
 
 def compare(onnx_path: str, spec: ArchSpec, refs: list[Reference], *, kv_dtype=np.float32,
