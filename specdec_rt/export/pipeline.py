@@ -402,7 +402,7 @@ def export_model(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, role
             validation = {"quantized": compare(str(path), spec, refs, kv_dtype=kv_dtype, enforce=False).to_dict()}
         else:
             tol = None if options.dtype == "fp32" else 5e-2 * 30
-            validation = compare(str(path), spec, refs, kv_dtype=kv_dtype, tolerance=tol).to_dict()
+            validation = compare(str(path), spec, refs, kv_dtype=kv_dtype, tolerance=tol, prepack=False).to_dict()
     stages.done()
     peak = max((v for k, v in stages.peak_rss.items() if k.endswith(f" {role}")), default=None)
 
