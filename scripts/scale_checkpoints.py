@@ -5,7 +5,7 @@ weights are drawn at random (transformers' own init, ``initializer_range``) and 
 ``save_pretrained`` in bfloat16, as the hub ships these models, with a word-level tokenizer of the
 real tokenizer's size. A checkpoint already in the cache folder is reused.
 
-    python scripts/scale_checkpoints.py --cache /work/cache/ckpt qwen2.5-0.5b qwen2.5-1.5b
+    python scripts/scale_checkpoints.py --cache /work/cache/ckpt qwen2.5-0.5b qwen2.5-1.5b qwen2.5-3b
 """
 from __future__ import annotations
 
@@ -31,8 +31,12 @@ CONFIGS = {
     "qwen2.5-1.5b": dict(QWEN_COMMON, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                          num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=131072,
                          max_window_layers=21, sliding_window=131072),
+    # Qwen/Qwen2.5-3B config.json
+    "qwen2.5-3b": dict(QWEN_COMMON, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                       num_attention_heads=16, num_key_value_heads=2, max_position_embeddings=32768,
+                       max_window_layers=70, sliding_window=32768),
 }
-TOKENIZER_SIZE = {"qwen2.5-0.5b": 151665, "qwen2.5-1.5b": 151665}  # Qwen2.5's tokenizer: 151643 + 22 added
+TOKENIZER_SIZE = dict.fromkeys(CONFIGS, 151665)  # Qwen2.5's tokenizer: 151643 + 22 added
 
 
 def build(name: str, cache: Path) -> Path:
