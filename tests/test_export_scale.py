@@ -196,7 +196,10 @@ def test_quantized_embedding_matches_dequantized_table(root):
     import onnx
 
     onnx.save(model, str(out / "target" / "probe.onnx"))
-    sess = ort.InferenceSession(str(out / "target" / "probe.onnx"), providers=["CPUExecutionProvider"])
+    from specdec_rt.runtime.engine import session_options  # the shared pool, if a test made one
+
+    sess = ort.InferenceSession(str(out / "target" / "probe.onnx"), session_options(),
+                                providers=["CPUExecutionProvider"])
     onnx.load_external_data_for_model(model, str(out / "target"))
     inits = {t.name: t for t in model.graph.initializer}
     packed = numpy_helper.to_array(inits[gbq.input[0]])
