@@ -165,3 +165,131 @@ def test_runtime_never_imports_torch_or_the_export_package(tiny_pair):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# -- broken checkpoints and a full disk: one line naming the file or field, no bundle left behind ----
+
+def _export_fails(ckpt, out, exc_type=None, **opts):
+    """Export ``ckpt`` to ``out``; return the one-line error, after checking nothing was left."""
+    from specdec_rt.export.pipeline import ExportError, ExportOptions, export_pair
+
+    with pytest.raises(exc_type or ExportError) as err:
+        export_pair(ckpt, None, out, ExportOptions(progress=False, **opts))
+    msg = str(err.value)
+    assert "\n" not in msg, msg
+    leftovers = [p.name for p in out.parent.iterdir() if p.name.startswith(out.name + ".")]
+    assert not leftovers, leftovers  # no <out>.partial-<pid> folder
+    return msg
+
+
+def _copy_ckpt(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_shard(tmp_path):
+    """A sharded checkpoint whose index lists a shard that is not there."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from helpers import llama_config, make_tokenizer
+
+    ckpt = tmp_path / "sharded"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(llama_config()).save_pretrained(str(ckpt), max_shard_size="100KB")
+    make_tokenizer(320, ckpt)
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1
+    (ckpt / shards[1]).unlink()
+    msg = _export_fails(ckpt, tmp_path / "out")
+    assert shards[1] in msg and "model.safetensors.index.json" in msg and "missing" in msg
+    assert not (tmp_path / "out").exists()
+
+
+def test_truncated_safetensors(tiny_pair, tmp_path):
+    ckpt = _copy_ckpt(tiny_pair["target"], tmp_path / "ckpt")
+    weights = ckpt / "model.safetensors"
+    raw = weights.read_bytes()
+    weights.write_bytes(raw[: len(raw) // 2])
+    msg = _export_fails(ckpt, tmp_path / "out")
+    assert str(weights) in msg and "truncated" in msg
+    weights.write_bytes(raw[:5])  # not even a header
+    assert "truncated" in _export_fails(ckpt, tmp_path / "out")
+
+
+@pytest.mark.parametrize("key, value, field", [
+    ("rope_parameters", {"rope_type": "proportional", "rope_theta": 10000.0}, "rope_parameters.rope_type"),
+    ("rope_scaling", {"type": "su", "factor": 2.0}, "rope_scaling.type"),
+    ("hidden_act", "swiglu_v9", "hidden_act"),
+])
+def test_known_family_unknown_feature(tiny_pair, tmp_path, key, value, field):
+    """A llama config with a switch the exporter (or transformers) does not implement: refused
+    before anything is loaded, naming config.json and the field."""
+    from specdec_rt.export.arch import UnsupportedArchitectureError
+
+    ckpt = _copy_ckpt(tiny_pair["target"], tmp_path / "ckpt")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    cfg[key] = value
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    msg = _export_fails(ckpt, tmp_path / "out", UnsupportedArchitectureError)
+    assert field in msg and "config.json" in msg and "llama" in msg
+
+
+def test_disk_full_leaves_previous_bundle_intact(tiny_pair, tmp_path, monkeypatch):
+    """ENOSPC while writing external data: one line naming the data file; the partial output is
+    removed and a bundle already at --out is untouched (the new one is built beside it)."""
+    import errno
+
+    from specdec_rt.export import graph
+    from specdec_rt.export.pipeline import ExportOptions, export_pair
+
+    out = tmp_path / "bundle"
+    export_pair(tiny_pair["target"], None, out, ExportOptions(progress=False))
+    before = {p.name: sha256_file(p) for p in out.rglob("*") if p.is_file()}
+
+    class SmallDisk:
+        """A file on a disk with room for 64 KiB."""
+
+        def __init__(self, path, mode):
+            self.f, self.size = open(path, mode), 0
+
+        def write(self, buf):
+            self.size += len(buf)
+            if self.size > 1 << 16:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(buf)
+
+        def close(self):
+            self.f.close()
+
+        @property
+        def closed(self):
+            return self.f.closed
+
+    monkeypatch.setattr(graph.TensorWriter, "opener", SmallDisk)
+    msg = _export_fails(tiny_pair["target"], out)
+    assert "no space left" in msg and "model.onnx.data" in msg
+    after = {p.name: sha256_file(p) for p in out.rglob("*") if p.is_file()}
+    assert after == before
+    specdec_rt.load(out)  # still a complete, loadable bundle
+
+
+def test_bf16_graph_refused_with_reason(tiny_pair, tmp_path, capsys):
+    from specdec_rt.cli.export_cli import main
+
+    rc = main(["--target", str(tiny_pair["target"]), "--out", str(tmp_path / "out"), "--dtype", "bf16", "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and "\n" not in err
+    assert "bf16" in err and "CPU execution provider" in err and "fp16" in err and "fp32" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_out_folder_that_is_not_a_bundle_is_not_replaced(tiny_pair, tmp_path):
+    out = tmp_path / "notes"
+    out.mkdir()
+    (out / "todo.txt").write_text("keep me")
+    msg = _export_fails(tiny_pair["target"], out)
+    assert "not a specdec-rt bundle" in msg
+    assert (out / "todo.txt").read_text() == "keep me"

@@ -6,6 +6,7 @@ PyTorch model once and returns an :class:`ArchSpec` (shapes and switches) plus c
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -94,29 +95,112 @@ class ArchSpec:
     pad_token_id: int | None = None
 
 
+class LazyLayers(Sequence):
+    """The decoder layers' weights, converted from the torch model when asked for, one at a time.
+
+    Nothing is cached: the graph builder reads each layer once, writes it and drops it, so at most
+    one layer exists as numpy arrays at a time, whatever the model's size.
+    """
+
+    def __init__(self, count: int, make: Callable[[int], LayerWeights]) -> None:
+        self._count, self._make = count, make
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._make(j) for j in range(*i.indices(self._count))]
+        if not -self._count <= i < self._count:
+            raise IndexError(i)
+        return self._make(i % self._count)
+
+
+class VocabMatrix:
+    """A vocabulary-sized torch weight ``[V, hidden]`` (an embedding table, or an LM head's
+    ``nn.Linear`` weight), converted to float32 numpy in slices, never whole: at Gemma's 256k x
+    2304 a float32 copy alone is 2.4 GB.
+
+    ``rows(v0, v1)``: embedding layout ``[v1 - v0, hidden]``; ``columns_t(h0, h1)``: MatMul layout
+    ``[h1 - h0, V]`` (rows ``h0..h1`` of the transposed weight).
+    """
+
+    def __init__(self, weight) -> None:
+        self.weight = weight
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)
+
+    def rows(self, v0: int, v1: int) -> np.ndarray:
+        return _np(self.weight[v0:v1])
+
+    def columns_t(self, h0: int, h1: int) -> np.ndarray:
+        return _t(self.weight[:, h0:h1])
+
+    def embedding(self) -> np.ndarray:
+        return self.rows(0, self.shape[0])
+
+    def matmul(self) -> np.ndarray:
+        return self.columns_t(0, self.shape[1])
+
+
 @dataclass
 class ModelWeights:
-    embed: np.ndarray  # [V, hidden]
-    lm_head: np.ndarray  # [hidden, V]
+    """Canonical weights. The decoder layers may be lazy (``LazyLayers``); the embedding and LM
+    head may be :class:`VocabMatrix` (the embedding as its table, the LM head as its ``[V, hidden]``
+    Linear weight; ``lm_head_matrix()`` is the ``[hidden, V]`` MatMul matrix)."""
+
+    embed: np.ndarray | VocabMatrix  # [V, hidden]
+    lm_head: np.ndarray | VocabMatrix  # ndarray: [hidden, V]; VocabMatrix: the [V, hidden] weight
     lm_head_b: np.ndarray | None
     final_norm_w: np.ndarray
     final_norm_b: np.ndarray | None
-    layers: list[LayerWeights]
+    layers: Sequence[LayerWeights]
     positions: np.ndarray | None = None  # learned position table [max, hidden]
     rope_cos: np.ndarray | None = None  # [max, rotary_dim/2]
     rope_sin: np.ndarray | None = None
     extra_rope: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # name -> (cos, sin)
+    # lm_head is exactly embed transposed (one tensor in the checkpoint): the graph may store it once
+    tied: bool = False
+
+    def embed_matrix(self) -> np.ndarray:
+        return self.embed.embedding() if isinstance(self.embed, VocabMatrix) else self.embed
+
+    def lm_head_matrix(self) -> np.ndarray:
+        return self.lm_head.matmul() if isinstance(self.lm_head, VocabMatrix) else self.lm_head
 
 
 def _np(t) -> np.ndarray | None:
+    """A torch tensor as a float32 numpy array that owns its memory (bf16/fp16 upcast exactly)."""
+    import torch
+
     if t is None:
         return None
-    return t.detach().to("cpu").float().numpy().copy()
+    t = t.detach().to("cpu")
+    if t.dtype == torch.float32:
+        return t.numpy().copy()
+    return t.float().numpy()  # .float() made a new tensor; the array keeps it alive
+
+
+def _t(t) -> np.ndarray:
+    """A 2-D torch tensor transposed, as a contiguous float32 array, in one conversion pass."""
+    import torch
+
+    t = t.detach().to("cpu")
+    out = torch.empty((t.shape[1], t.shape[0]), dtype=torch.float32)
+    out.copy_(t.t())
+    return out.numpy()
 
 
 def _lin(linear) -> tuple[np.ndarray, np.ndarray | None]:
     """nn.Linear weight [out, in] -> MatMul layout [in, out]."""
-    return _np(linear.weight).T.copy(), _np(getattr(linear, "bias", None))
+    return _t(linear.weight), _np(getattr(linear, "bias", None))
+
+
+def _same_tensor(a, b) -> bool:
+    """Two parameters share storage (tied embeddings)."""
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride())
 
 
 def _rope_tables(model, rotary_dim: int, max_positions: int,
@@ -397,8 +481,8 @@ def _llama_like(model, family: str, max_positions: int) -> tuple[ArchSpec, Model
     def norm_w(module) -> np.ndarray | None:
         return None if module is None else _np(module.weight) + gemma_offset
 
-    layers = []
-    for layer in inner.layers:
+    def one_layer(i: int) -> LayerWeights:
+        layer = inner.layers[i]
         attn = layer.self_attn
         mlp = layer.mlp
         if family == "phi3":
@@ -426,25 +510,23 @@ def _llama_like(model, family: str, max_positions: int) -> tuple[ArchSpec, Model
         else:
             ln1, post_attn = layer.input_layernorm, None
             ln2, post_mlp = layer.post_attention_layernorm, None
-        layers.append(
-            LayerWeights(
-                ln1_w=norm_w(ln1),
-                ln1_b=None,
-                q_w=q_w.copy(), k_w=k_w.copy(), v_w=v_w.copy(),
-                q_b=q_b, k_b=k_b, v_b=v_b,
-                o_w=o_w, o_b=o_b,
-                ln2_w=norm_w(ln2),
-                ln2_b=None,
-                up_w=up_w.copy(), up_b=up_b, down_w=down_w, down_b=down_b,
-                gate_w=gate_w.copy(), gate_b=gate_b,
-                q_norm_w=norm_w(attn.q_norm) if hasattr(attn, "q_norm") else None,
-                k_norm_w=norm_w(attn.k_norm) if hasattr(attn, "k_norm") else None,
-                post_attn_norm_w=norm_w(post_attn),
-                post_mlp_norm_w=norm_w(post_mlp),
-            )
+        return LayerWeights(
+            ln1_w=norm_w(ln1),
+            ln1_b=None,
+            q_w=q_w, k_w=k_w, v_w=v_w,
+            q_b=q_b, k_b=k_b, v_b=v_b,
+            o_w=o_w, o_b=o_b,
+            ln2_w=norm_w(ln2),
+            ln2_b=None,
+            up_w=up_w, up_b=up_b, down_w=down_w, down_b=down_b,
+            gate_w=gate_w, gate_b=gate_b,
+            q_norm_w=norm_w(attn.q_norm) if hasattr(attn, "q_norm") else None,
+            k_norm_w=norm_w(attn.k_norm) if hasattr(attn, "k_norm") else None,
+            post_attn_norm_w=norm_w(post_attn),
+            post_mlp_norm_w=norm_w(post_mlp),
         )
-    embed = _np(inner.embed_tokens.weight)
-    lm_w, lm_b = _lin(model.lm_head)
+
+    layers = LazyLayers(len(inner.layers), one_layer)
     extra_rope = {}
     if family == "gemma3_text":  # full layers: global base (+ scaling); sliding layers: local base
         cos, sin = _rope_tables(model, rotary_dim, max_positions, layer_type="full_attention")
@@ -454,9 +536,11 @@ def _llama_like(model, family: str, max_positions: int) -> tuple[ArchSpec, Model
     else:
         cos, sin = _rope_tables(model, rotary_dim, max_positions)
     weights = ModelWeights(
-        embed=embed, lm_head=lm_w, lm_head_b=lm_b,
+        embed=VocabMatrix(inner.embed_tokens.weight), lm_head=VocabMatrix(model.lm_head.weight),
+        lm_head_b=_np(getattr(model.lm_head, "bias", None)),
         final_norm_w=norm_w(inner.norm), final_norm_b=None,
         layers=layers, rope_cos=cos, rope_sin=sin, extra_rope=extra_rope,
+        tied=_same_tensor(model.lm_head.weight, inner.embed_tokens.weight),
     )
     return spec, weights
 
@@ -486,8 +570,8 @@ def _starcoder2(model, family: str, max_positions: int) -> tuple[ArchSpec, Model
         sliding_window=window, tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         eos_token_ids=eos, bos_token_id=bos, pad_token_id=pad,
     )
-    layers = []
-    for layer in inner.layers:
+    def one_layer(i: int) -> LayerWeights:
+        layer = inner.layers[i]
         attn, mlp = layer.self_attn, layer.mlp
         q_w, q_b = _lin(attn.q_proj)
         k_w, k_b = _lin(attn.k_proj)
@@ -495,21 +579,21 @@ def _starcoder2(model, family: str, max_positions: int) -> tuple[ArchSpec, Model
         o_w, o_b = _lin(attn.o_proj)
         up_w, up_b = _lin(mlp.c_fc)
         down_w, down_b = _lin(mlp.c_proj)
-        layers.append(
-            LayerWeights(
-                ln1_w=_np(layer.input_layernorm.weight), ln1_b=_np(layer.input_layernorm.bias),
-                q_w=q_w, k_w=k_w, v_w=v_w, q_b=q_b, k_b=k_b, v_b=v_b, o_w=o_w, o_b=o_b,
-                ln2_w=_np(layer.post_attention_layernorm.weight),
-                ln2_b=_np(layer.post_attention_layernorm.bias),
-                up_w=up_w, up_b=up_b, down_w=down_w, down_b=down_b,
-            )
+        return LayerWeights(
+            ln1_w=_np(layer.input_layernorm.weight), ln1_b=_np(layer.input_layernorm.bias),
+            q_w=q_w, k_w=k_w, v_w=v_w, q_b=q_b, k_b=k_b, v_b=v_b, o_w=o_w, o_b=o_b,
+            ln2_w=_np(layer.post_attention_layernorm.weight),
+            ln2_b=_np(layer.post_attention_layernorm.bias),
+            up_w=up_w, up_b=up_b, down_w=down_w, down_b=down_b,
         )
-    lm_w, lm_b = _lin(model.lm_head)
+
     cos, sin = _rope_tables(model, rotary_dim, max_positions)
     weights = ModelWeights(
-        embed=_np(inner.embed_tokens.weight), lm_head=lm_w, lm_head_b=lm_b,
+        embed=VocabMatrix(inner.embed_tokens.weight), lm_head=VocabMatrix(model.lm_head.weight),
+        lm_head_b=_np(getattr(model.lm_head, "bias", None)),
         final_norm_w=_np(inner.norm.weight), final_norm_b=_np(inner.norm.bias),
-        layers=layers, rope_cos=cos, rope_sin=sin,
+        layers=LazyLayers(len(inner.layers), one_layer), rope_cos=cos, rope_sin=sin,
+        tied=_same_tensor(model.lm_head.weight, inner.embed_tokens.weight),
     )
     return spec, weights
 
@@ -536,28 +620,28 @@ def _gpt2(model, family: str, max_positions: int) -> tuple[ArchSpec, ModelWeight
         attention_scale=None if cfg.scale_attn_weights else 1.0,
         tie_word_embeddings=True, eos_token_ids=eos, bos_token_id=bos, pad_token_id=pad,
     )
-    layers = []
-    for block in tr.h:
+    def one_layer(i: int) -> LayerWeights:
+        block = tr.h[i]
         # Conv1D stores [in, out] already
         qkv_w, qkv_b = _np(block.attn.c_attn.weight), _np(block.attn.c_attn.bias)
         q_w, k_w, v_w = np.split(qkv_w, 3, axis=1)
         q_b, k_b, v_b = np.split(qkv_b, 3)
-        layers.append(
-            LayerWeights(
-                ln1_w=_np(block.ln_1.weight), ln1_b=_np(block.ln_1.bias),
-                q_w=q_w.copy(), k_w=k_w.copy(), v_w=v_w.copy(),
-                q_b=q_b.copy(), k_b=k_b.copy(), v_b=v_b.copy(),
-                o_w=_np(block.attn.c_proj.weight), o_b=_np(block.attn.c_proj.bias),
-                ln2_w=_np(block.ln_2.weight), ln2_b=_np(block.ln_2.bias),
-                up_w=_np(block.mlp.c_fc.weight), up_b=_np(block.mlp.c_fc.bias),
-                down_w=_np(block.mlp.c_proj.weight), down_b=_np(block.mlp.c_proj.bias),
-            )
+        return LayerWeights(
+            ln1_w=_np(block.ln_1.weight), ln1_b=_np(block.ln_1.bias),
+            q_w=q_w.copy(), k_w=k_w.copy(), v_w=v_w.copy(),
+            q_b=q_b.copy(), k_b=k_b.copy(), v_b=v_b.copy(),
+            o_w=_np(block.attn.c_proj.weight), o_b=_np(block.attn.c_proj.bias),
+            ln2_w=_np(block.ln_2.weight), ln2_b=_np(block.ln_2.bias),
+            up_w=_np(block.mlp.c_fc.weight), up_b=_np(block.mlp.c_fc.bias),
+            down_w=_np(block.mlp.c_proj.weight), down_b=_np(block.mlp.c_proj.bias),
         )
-    lm_w, lm_b = _lin(model.lm_head)
+
     weights = ModelWeights(
-        embed=_np(tr.wte.weight), lm_head=lm_w, lm_head_b=lm_b,
+        embed=VocabMatrix(tr.wte.weight), lm_head=VocabMatrix(model.lm_head.weight),
+        lm_head_b=_np(getattr(model.lm_head, "bias", None)),
         final_norm_w=_np(tr.ln_f.weight), final_norm_b=_np(tr.ln_f.bias),
-        layers=layers, positions=_np(tr.wpe.weight)[:max_positions].copy(),
+        layers=LazyLayers(len(tr.h), one_layer), positions=_np(tr.wpe.weight)[:max_positions].copy(),
+        tied=_same_tensor(model.lm_head.weight, tr.wte.weight),
     )
     return spec, weights
 
@@ -583,8 +667,8 @@ def _gpt_neox(model, family: str, max_positions: int) -> tuple[ArchSpec, ModelWe
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         eos_token_ids=eos, bos_token_id=bos, pad_token_id=pad,
     )
-    layers = []
-    for layer in inner.layers:
+    def one_layer(i: int) -> LayerWeights:
+        layer = inner.layers[i]
         att = layer.attention
         w = _np(att.query_key_value.weight)  # [3*hidden, hidden], rows per head: q, k, v
         b = _np(att.query_key_value.bias)  # None when attention_bias=False
@@ -597,23 +681,23 @@ def _gpt_neox(model, family: str, max_positions: int) -> tuple[ArchSpec, ModelWe
         o_w, o_b = _lin(att.dense)
         up_w, up_b = _lin(layer.mlp.dense_h_to_4h)
         down_w, down_b = _lin(layer.mlp.dense_4h_to_h)
-        layers.append(
-            LayerWeights(
-                ln1_w=_np(layer.input_layernorm.weight), ln1_b=_np(layer.input_layernorm.bias),
-                q_w=q_w, k_w=k_w, v_w=v_w, q_b=q_b, k_b=k_b, v_b=v_b, o_w=o_w, o_b=o_b,
-                ln2_w=_np(layer.post_attention_layernorm.weight),
-                ln2_b=_np(layer.post_attention_layernorm.bias),
-                up_w=up_w, up_b=up_b, down_w=down_w, down_b=down_b,
-            )
+        return LayerWeights(
+            ln1_w=_np(layer.input_layernorm.weight), ln1_b=_np(layer.input_layernorm.bias),
+            q_w=q_w, k_w=k_w, v_w=v_w, q_b=q_b, k_b=k_b, v_b=v_b, o_w=o_w, o_b=o_b,
+            ln2_w=_np(layer.post_attention_layernorm.weight),
+            ln2_b=_np(layer.post_attention_layernorm.bias),
+            up_w=up_w, up_b=up_b, down_w=down_w, down_b=down_b,
         )
+
     # transformers 4.x calls the output projection embed_out, 5.x lm_head
     lm_head = model.embed_out if hasattr(model, "embed_out") else model.lm_head
-    lm_w, lm_b = _lin(lm_head)
     cos, sin = _rope_tables(model, rotary_dim, max_positions)
     weights = ModelWeights(
-        embed=_np(inner.embed_in.weight), lm_head=lm_w, lm_head_b=lm_b,
+        embed=VocabMatrix(inner.embed_in.weight), lm_head=VocabMatrix(lm_head.weight),
+        lm_head_b=_np(getattr(lm_head, "bias", None)),
         final_norm_w=_np(inner.final_layer_norm.weight), final_norm_b=_np(inner.final_layer_norm.bias),
-        layers=layers, rope_cos=cos, rope_sin=sin,
+        layers=LazyLayers(len(inner.layers), one_layer), rope_cos=cos, rope_sin=sin,
+        tied=_same_tensor(lm_head.weight, inner.embed_in.weight),
     )
     return spec, weights
 

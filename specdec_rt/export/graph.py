@@ -13,21 +13,43 @@ Two op sets:
 - ``portable``: standard ONNX ops only, for parsers without the contrib domain (TensorRT).
 
 The graph contract (docs/graph-contract.md) is identical for both.
+
+Scale: with a :class:`TensorWriter` (``write_model``) every initializer of 1 KiB or more goes to
+one external-data file the moment it is created, so the ModelProto holds only names and
+offsets (no 2 GB protobuf limit) and at most one layer's weights exist as arrays at a time.
+With ``GraphOptions.quantize`` each MatMul weight is quantized as it is emitted (MatMulNBits)
+and the embedding table is stored in the same packed layout (GatherBlockQuantized).
 """
 from __future__ import annotations
 
+import errno
+import hashlib
+import os
 from dataclasses import dataclass, replace
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from specdec_rt.export.arch import ArchSpec, ModelWeights
+from specdec_rt.export.arch import ArchSpec, ModelWeights, VocabMatrix
+from specdec_rt.export.errors import ExportError
+from specdec_rt.export.quantize import ACCURACY_LEVEL, BLOCK_SIZE, QUANT_BITS, quantize_blockwise
 
 CONTRACT_VERSION = 1
 MS_DOMAIN = "com.microsoft"
 
 _NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16}
+GRAPH_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+FP16_MAX = float(np.finfo(np.float16).max)
+EXTERNAL_THRESHOLD = 1024  # bytes: smaller initializers stay inside the .onnx file
+VOCAB_BLOCK_BYTES = 64 << 20  # vocabulary-sized matrices are converted in float32 blocks of this size
+
+
+def _blocks(n: int, row_elems: int):
+    """Ranges (a, b) covering 0..n whose float32 rows of ``row_elems`` fit VOCAB_BLOCK_BYTES."""
+    step = max(1, VOCAB_BLOCK_BYTES // (4 * max(1, row_elems)))
+    for a in range(0, n, step):
+        yield a, min(n, a + step)
 
 
 @dataclass
@@ -38,38 +60,170 @@ class GraphOptions:
     # "fp64": softmax and probs @ V accumulate in float64 (see GraphBuilder._attention);
     # "native": in the graph dtype (TensorRT has no float64)
     attention_accumulation: str = "fp64"
+    quantize: str | None = None  # "int4" | "int8": weight-only, quantized while the graph is built
+    block_size: int = BLOCK_SIZE
+    quantize_embedding: bool = True  # with ``quantize``: the embedding table too (GatherBlockQuantized)
+
+
+class TensorWriter:
+    """Appends initializers to one external-data file and returns TensorProtos that point at them.
+
+    Tensors of 1 MiB or more start at a multiple of 64 KiB (as onnx's own writer aligns them, so
+    that a runtime may map them); the sha256 of the file is computed as it is written. An error
+    while writing (a full disk above all) is an :class:`ExportError` naming the file.
+    """
+
+    ALIGN = 1 << 16
+    ALIGN_THRESHOLD = 1 << 20
+    opener = open  # tests substitute a file that fills up
+
+    def __init__(self, data_path: str | os.PathLike) -> None:
+        self.path = os.fspath(data_path)
+        self.location = os.path.basename(self.path)  # relative to the .onnx file beside it
+        self.offset = 0
+        self.sha256 = hashlib.sha256()
+        try:
+            self._f = self.opener(self.path, "wb")
+        except OSError as exc:
+            raise ExportError(f"cannot create {self.path}: {exc.strerror or exc}") from None
+
+    def _write(self, buf) -> None:
+        try:
+            self._f.write(buf)
+        except OSError as exc:
+            self._fail(exc)
+        self.sha256.update(buf)
+        self.offset += len(buf)
+
+    def _fail(self, exc: OSError):
+        if exc.errno == errno.ENOSPC:
+            raise ExportError(f"no space left on the device writing {self.path} "
+                              f"({self.offset / 2**20:.0f} MiB written); free space or choose another --out") from None
+        raise ExportError(f"cannot write {self.path}: {exc.strerror or exc}") from None
+
+    def add(self, arr: np.ndarray, name: str) -> onnx.TensorProto:
+        arr = np.asarray(arr)
+        return self.add_blocks(name, arr.dtype, arr.shape, [arr])
+
+    def add_blocks(self, name: str, dtype, shape, blocks) -> onnx.TensorProto:
+        """One tensor of ``shape`` written from consecutive blocks along its first axis."""
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if nbytes >= self.ALIGN_THRESHOLD and self.offset % self.ALIGN:
+            self._write(bytes(self.ALIGN - self.offset % self.ALIGN))
+        start = self.offset
+        for block in blocks:
+            block = np.ascontiguousarray(block, dtype=dtype)
+            self._write(memoryview(block.reshape(-1)).cast("B"))
+        if self.offset - start != nbytes:
+            raise ValueError(f"{name}: wrote {self.offset - start} bytes for a {list(shape)} {dtype} tensor")
+        t = onnx.TensorProto()
+        t.name = name
+        t.data_type = helper.np_dtype_to_tensor_dtype(dtype)
+        t.dims.extend(shape)
+        t.data_location = TensorProto.EXTERNAL
+        for key, value in (("location", self.location), ("offset", str(start)), ("length", str(nbytes))):
+            entry = t.external_data.add()
+            entry.key, entry.value = key, value
+        return t
+
+    def close(self) -> None:
+        if self._f.closed:
+            return
+        try:
+            self._f.close()
+        except OSError as exc:
+            self._fail(exc)
+
+    def abort(self) -> None:
+        """Close after a failure, ignoring further errors (the caller removes the file)."""
+        try:
+            self._f.close()
+        except OSError:
+            pass
 
 
 class _Graph:
     """A tiny node/initializer accumulator with unique names."""
 
-    def __init__(self, np_dtype: np.dtype, opset: int) -> None:
+    def __init__(self, np_dtype: np.dtype, opset: int, writer: TensorWriter | None = None) -> None:
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self.np_dtype = np.dtype(np_dtype)
         self.onnx_dtype = _NP_TO_ONNX[self.np_dtype]
         self.opset = opset
+        self.writer = writer
+        self.num_params = 0  # float weights, quantized ones counted as K x N
+        self.unquantized_bytes = 0  # what every initializer would take without quantization
+        self.uses_ms_domain = False
         self._count = 0
 
     def name(self, hint: str) -> str:
         self._count += 1
         return f"{hint}_{self._count}"
 
+    def _float(self, arr: np.ndarray, hint: str) -> np.ndarray:
+        """``arr`` in the graph dtype; a value beyond float16's range is an error, not an inf."""
+        if self.np_dtype == np.float16 and arr.dtype != np.float16 and arr.size:
+            peak = float(np.max(np.abs(arr)))
+            if peak > FP16_MAX:
+                raise ExportError(f"weight '{hint}' has values up to {peak:.4g}, beyond float16's range "
+                                  f"({FP16_MAX:.0f}); export with --dtype fp32")
+        return arr.astype(self.np_dtype, copy=False)
+
     def const(self, array: np.ndarray, hint: str, dtype: np.dtype | None = None) -> str:
         name = self.name(hint)
         arr = np.asarray(array)
         if dtype is not None:
-            arr = arr.astype(dtype)
+            arr = arr.astype(dtype, copy=False)
         elif arr.dtype.kind == "f":
-            arr = arr.astype(self.np_dtype)
-        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
+            arr = self._float(arr, hint)
+        if arr.dtype.kind == "f":
+            self.num_params += arr.size
+        self.unquantized_bytes += arr.nbytes
+        self._add(arr, name)
         return name
+
+    def const_blocks(self, hint: str, shape: tuple[int, ...], blocks) -> str:
+        """A float weight of ``shape`` produced as consecutive blocks along axis 0 (each converted
+        to the graph dtype and written before the next exists)."""
+        name = self.name(hint)
+        n = int(np.prod(shape, dtype=np.int64))
+        self.num_params += n
+        self.unquantized_bytes += n * self.np_dtype.itemsize
+        converted = (self._float(np.asarray(b), hint) for b in blocks)
+        if self.writer is None:
+            self.inits.append(numpy_helper.from_array(np.concatenate(list(converted)).reshape(shape), name))
+        else:
+            self.inits.append(self.writer.add_blocks(name, self.np_dtype, shape, converted))
+        return name
+
+    def packed(self, array: np.ndarray, hint: str) -> str:
+        """A quantized tensor (uint8 packed weights or their scales), stored as is."""
+        name = self.name(hint)
+        self._add(np.asarray(array), name)
+        return name
+
+    def packed_blocks(self, hint: str, dtype, shape: tuple[int, ...], blocks) -> str:
+        name = self.name(hint)
+        if self.writer is None:
+            self.inits.append(numpy_helper.from_array(np.concatenate(list(blocks)).reshape(shape), name))
+        else:
+            self.inits.append(self.writer.add_blocks(name, dtype, shape, blocks))
+        return name
+
+    def _add(self, arr: np.ndarray, name: str) -> None:
+        if self.writer is not None and arr.nbytes >= EXTERNAL_THRESHOLD:
+            self.inits.append(self.writer.add(arr, name))
+        else:
+            self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
 
     def shape(self, dims: list[int], hint: str = "shape") -> str:
         return self.const(np.array(dims, dtype=np.int64), hint, dtype=np.int64)
 
     def op(self, op_type: str, inputs: list[str], hint: str | None = None, n_out: int = 1,
            domain: str = "", outputs: list[str] | None = None, **attrs) -> str | list[str]:
+        self.uses_ms_domain |= domain == MS_DOMAIN
         base = self.name(hint or op_type)
         outs = outputs or ([base] if n_out == 1 else [f"{base}_o{i}" for i in range(n_out)])
         self.nodes.append(helper.make_node(op_type, inputs, outs, name=base, domain=domain, **attrs))
@@ -79,15 +233,38 @@ class _Graph:
 class GraphBuilder:
     """Emit one decoder-only LM graph that serves prefill, decode, chain and tree verify."""
 
-    def __init__(self, spec: ArchSpec, weights: ModelWeights, options: GraphOptions) -> None:
+    def __init__(self, spec: ArchSpec, weights: ModelWeights, options: GraphOptions,
+                 writer: TensorWriter | None = None) -> None:
+        if options.dtype not in GRAPH_DTYPES:
+            raise ValueError(f"graph dtype must be one of {', '.join(GRAPH_DTYPES)}, not '{options.dtype}'")
+        if options.quantize is not None and options.quantize not in QUANT_BITS:
+            raise ValueError(f"unknown quantization '{options.quantize}'; choose one of {', '.join(QUANT_BITS)}")
         self.spec = spec
         self.w = weights
         self.opt = options
-        self.g = _Graph(np.float16 if options.dtype == "fp16" else np.float32, options.opset)
+        self.bits = QUANT_BITS[options.quantize] if options.quantize else None
+        self.g = _Graph(GRAPH_DTYPES[options.dtype], options.opset, writer)
 
     # -- small emitters --------------------------------------------------------------------
+    def _quantized(self, w: np.ndarray, hint: str) -> tuple[str, str]:
+        """Quantize ``w`` [K, N]; return the names of the packed weights and the scales."""
+        g = self.g
+        k, n = w.shape
+        g.num_params += k * n
+        g.unquantized_bytes += k * n * g.np_dtype.itemsize
+        packed, scales = quantize_blockwise(w, self.bits, self.opt.block_size)
+        return g.packed(packed, hint + "_q"), g.packed(scales.astype(g.np_dtype), hint + "_scales")
+
+    def _matmul_nbits(self, x: str, packed: str, scales: str, k: int, n: int, hint: str) -> str:
+        return self.g.op("MatMulNBits", [x, packed, scales], hint, domain=MS_DOMAIN, K=k, N=n, bits=self.bits,
+                         block_size=self.opt.block_size, accuracy_level=ACCURACY_LEVEL)
+
     def _linear(self, x: str, w: np.ndarray, b: np.ndarray | None, hint: str) -> str:
-        y = self.g.op("MatMul", [x, self.g.const(w, hint + "_w")], hint)
+        if self.bits:
+            packed, scales = self._quantized(w, hint)
+            y = self._matmul_nbits(x, packed, scales, w.shape[0], w.shape[1], hint)
+        else:
+            y = self.g.op("MatMul", [x, self.g.const(w, hint + "_w")], hint)
         if b is not None:
             y = self.g.op("Add", [y, self.g.const(b, hint + "_b")], hint + "_bias")
         return y
@@ -311,7 +488,7 @@ class GraphBuilder:
                 inputs.append(helper.make_tensor_value_info(f"past_{kind}.{i}", kv_type, ["batch", "past", hkv, d]))
                 outputs.append(helper.make_tensor_value_info(f"new_{kind}.{i}", kv_type, ["batch", "seq", hkv, d]))
 
-        x = g.op("Gather", [g.const(w.embed, "embed"), "input_ids"], "embed_tokens")
+        x = self._embedding()
         if s.embedding_scale is not None and s.embedding_scale != 1.0:
             x = g.op("Mul", [x, g.const(np.array(s.embedding_scale), "embed_scale")], "embed_scaled")
         if s.positions == "learned":
@@ -391,14 +568,7 @@ class GraphBuilder:
                     pending, _ = self._norm(pending, None, lw.post_mlp_norm_w, None, p + "_post_mlp_norm")
 
         final, _ = self._norm(residual, pending, w.final_norm_w, w.final_norm_b, "final_norm")
-        lm_w, lm_b = w.lm_head, w.lm_head_b
-        fold = s.logit_multiplier if s.logit_multiplier is not None else 1.0
-        if s.final_softcap:
-            fold /= s.final_softcap
-        if fold != 1.0:
-            lm_w = lm_w * fold
-            lm_b = None if lm_b is None else lm_b * fold
-        logits = self._linear(final, lm_w, lm_b, "lm_head")
+        logits = self._lm_head(final)
         if s.final_softcap:  # tanh(logits / c) * c, the 1/c folded into lm_head
             logits = g.op("Mul", [g.op("Tanh", [logits], "logits_tanh"),
                                   g.const(np.array(s.final_softcap), "final_softcap")], "logits_capped")
@@ -408,11 +578,114 @@ class GraphBuilder:
 
         graph = helper.make_graph(g.nodes, f"specdec_{s.family}", inputs, outputs, g.inits)
         opsets = [helper.make_opsetid("", self.opt.opset)]
-        if self.opt.fused:
+        if self.opt.fused or g.uses_ms_domain:
             opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
         model = helper.make_model(graph, opset_imports=opsets, producer_name="specdec-rt")
         model.ir_version = 8 if self.opt.opset <= 17 else 9
         return model
+
+    # -- embedding and LM head -------------------------------------------------------------------
+    def _logit_fold(self) -> float:
+        """Factor folded into the LM head: Granite's logit multiplier, 1 / final soft-cap."""
+        s = self.spec
+        fold = s.logit_multiplier if s.logit_multiplier is not None else 1.0
+        if s.final_softcap:
+            fold /= s.final_softcap
+        return fold
+
+    def _vocab_matmul(self, source, hint: str, fold: float = 1.0) -> str:
+        """The LM head's ``[hidden, V]`` MatMul matrix, converted and written in row blocks."""
+        if not isinstance(source, VocabMatrix):
+            return self.g.const(source * fold if fold != 1.0 else source, hint)
+        v, h = source.shape
+        blocks = (source.columns_t(a, b) * fold if fold != 1.0 else source.columns_t(a, b) for a, b in _blocks(h, v))
+        return self.g.const_blocks(hint, (h, v), blocks)
+
+    def _vocab_quantized(self, source, hint: str, fold: float = 1.0) -> tuple[str, str]:
+        """Quantize the ``[hidden, V]`` matrix of ``source`` (a VocabMatrix, or an array already in
+        MatMul layout) in blocks of vocabulary columns: the same bytes as quantizing it whole."""
+        if not isinstance(source, VocabMatrix):
+            return self._quantized(source * fold if fold != 1.0 else source, hint)
+        g = self.g
+        v, h = source.shape
+        g.num_params += v * h
+        g.unquantized_bytes += v * h * g.np_dtype.itemsize
+        bs = self.opt.block_size
+        k_blocks, blob = (h + bs - 1) // bs, bs * self.bits // 8
+        scales: list[np.ndarray] = []
+
+        def packed_blocks():
+            for a, b in _blocks(v, h):
+                rows = source.rows(a, b)  # [b - a, hidden]: columns a..b of the MatMul matrix
+                if fold != 1.0:
+                    rows = rows * fold
+                packed, sc = quantize_blockwise(np.ascontiguousarray(rows.T), self.bits, bs)
+                scales.append(sc)
+                yield packed
+
+        packed = g.packed_blocks(hint + "_q", np.uint8, (v, k_blocks, blob), packed_blocks())
+        return packed, g.packed(np.concatenate(scales).astype(g.np_dtype), hint + "_scales")
+
+    def _embedding(self) -> str:
+        """Token embeddings [B, S, hidden].
+
+        Tied embeddings (the LM head is the embedding table, unscaled, without bias) are stored
+        once: the LM head's [hidden, V] matrix (or its quantized form) also serves the lookup,
+        by ``Gather`` on axis 1 + ``Transpose`` (float) or ``GatherBlockQuantized`` (quantized).
+        Quantized untied tables are stored in the same packed layout; a hidden size that is not a
+        multiple of the block size keeps a float table. Vocabulary-sized matrices are converted
+        in blocks of at most VOCAB_BLOCK_BYTES.
+        """
+        g, s, w = self.g, self.spec, self.w
+        self._lm: tuple | None = None  # the LM head, when the embedding emitted it
+        shared = w.tied and w.lm_head_b is None and self._logit_fold() == 1.0
+        quantized_table = self.bits and self.opt.quantize_embedding and s.hidden_size % self.opt.block_size == 0
+        if shared and (quantized_table or not self.bits):
+            if self.bits:
+                packed, scales = self._vocab_quantized(w.lm_head, "lm_head")
+                self._lm = ("nbits", packed, scales)
+                return self._gather_quantized(packed, scales)
+            table = self._vocab_matmul(w.lm_head, "lm_head_w")
+            self._lm = ("float", table)
+            x = g.op("Gather", [table, "input_ids"], "embed_tokens", axis=1)  # [hidden, B, S]
+            return g.op("Transpose", [x], "embed_tokens_bsh", perm=[1, 2, 0])
+        embed = w.embed
+        if quantized_table:
+            # the table as the weight of x @ embed.T: packed [V, blocks, blob], like an LM head
+            source = embed if isinstance(embed, VocabMatrix) else np.ascontiguousarray(embed.T)
+            packed, scales = self._vocab_quantized(source, "embed")
+            return self._gather_quantized(packed, scales)
+        if isinstance(embed, VocabMatrix):
+            v, h = embed.shape
+            table = g.const_blocks("embed", (v, h), (embed.rows(a, b) for a, b in _blocks(v, h)))
+        else:
+            table = g.const(embed, "embed")
+        return g.op("Gather", [table, "input_ids"], "embed_tokens")
+
+    def _gather_quantized(self, packed: str, scales: str) -> str:
+        """Rows of a table packed like a MatMulNBits weight ([V, blocks, blob], scales [V, blocks]);
+        GatherBlockQuantized wants the scales as [V, blocks, 1] (ONNX Runtime folds the Reshape)."""
+        g = self.g
+        scales_3d = g.op("Reshape", [scales, g.shape([self.spec.vocab_size, -1, 1])], "embed_scales_3d")
+        x = g.op("GatherBlockQuantized", [packed, "input_ids", scales_3d], "embed_tokens", domain=MS_DOMAIN,
+                 bits=self.bits, block_size=self.opt.block_size, gather_axis=0, quantize_axis=2)
+        return g.op("Reshape", [x, g.shape([0, 0, self.spec.hidden_size])], "embed_tokens_bsh")  # [B,S,blocks,bs] -> [B,S,H]
+
+    def _lm_head(self, final: str) -> str:
+        g, s, w = self.g, self.spec, self.w
+        if self._lm is not None and self._lm[0] == "nbits":
+            return self._matmul_nbits(final, self._lm[1], self._lm[2], s.hidden_size, s.vocab_size, "lm_head")
+        if self._lm is not None:
+            return g.op("MatMul", [final, self._lm[1]], "lm_head")
+        fold = self._logit_fold()
+        if self.bits:
+            packed, scales = self._vocab_quantized(w.lm_head, "lm_head", fold)
+            y = self._matmul_nbits(final, packed, scales, s.hidden_size, s.vocab_size, "lm_head")
+        else:
+            y = g.op("MatMul", [final, self._vocab_matmul(w.lm_head, "lm_head_w", fold)], "lm_head")
+        if w.lm_head_b is not None:
+            y = g.op("Add", [y, g.const(w.lm_head_b * fold, "lm_head_b")], "lm_head_bias")
+        return y
 
     def _fold_residual_multiplier(self, lw):
         """Granite's ``residual + branch * m``: m folded into the o and down projections."""
@@ -444,17 +717,42 @@ class GraphBuilder:
 
 
 def build_model(spec: ArchSpec, weights: ModelWeights, options: GraphOptions) -> onnx.ModelProto:
+    """The whole graph in memory, weights inline (small models; see ``write_model`` for any size)."""
     return GraphBuilder(spec, weights, options).build()
 
 
-def save_model(model: onnx.ModelProto, path: str) -> list[str]:
-    """Save with weights in one external-data file beside the graph; return the files written."""
-    import os
+@dataclass
+class WrittenGraph:
+    files: list[str]  # the .onnx file and its one external-data file
+    sha256: dict[str, str]  # file -> digest
+    num_params: int
+    num_nodes: int
+    size_bytes: int
+    unquantized_bytes: int  # the initializers' size had nothing been quantized
 
-    data_name = os.path.basename(path) + ".data"
-    data_path = os.path.join(os.path.dirname(path), data_name)
-    if os.path.exists(data_path):
-        os.remove(data_path)
-    onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=data_name, size_threshold=1024)
-    return [path, data_path]
+
+def write_model(spec: ArchSpec, weights: ModelWeights, options: GraphOptions, path: str) -> WrittenGraph:
+    """Build the graph straight to ``path`` + ``path.data``: weights are converted, quantized if
+    asked, written and dropped one at a time, so memory stays at about one layer's weights."""
+    data_path = path + ".data"
+    writer = TensorWriter(data_path)
+    try:
+        builder = GraphBuilder(spec, weights, options, writer)
+        model = builder.build()
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()
+    graph_bytes = model.SerializeToString()  # names, shapes, offsets: kilobytes at any model size
+    try:
+        with open(path, "wb") as f:
+            f.write(graph_bytes)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise ExportError(f"no space left on the device writing {path}; free space or choose another --out") from None
+        raise ExportError(f"cannot write {path}: {exc.strerror or exc}") from None
+    digests = {path: hashlib.sha256(graph_bytes).hexdigest(), data_path: writer.sha256.hexdigest()}
+    g = builder.g
+    return WrittenGraph(files=[path, data_path], sha256=digests, num_params=g.num_params, num_nodes=len(model.graph.node),
+                        size_bytes=os.path.getsize(path) + os.path.getsize(data_path),
+                        unquantized_bytes=g.unquantized_bytes)

@@ -1,22 +1,39 @@
-"""Export a target/draft pair of Hugging Face checkpoints into a validated bundle."""
+"""Export a target/draft pair of Hugging Face checkpoints into a validated bundle.
+
+Memory at scale (docs/design.md, "Export at scale"): the torch model is loaded in its
+checkpoint's dtype; PyTorch's reference outputs for validation are computed first (in float32,
+one module upcast at a time); the graph is then written layer by layer straight to its
+external-data file (quantized as it is built with ``--quantize``); the torch model is freed
+before ONNX Runtime loads the graph to compare. The bundle is assembled in a sibling
+``<out>.partial-<pid>`` folder and renamed into place only when complete.
+"""
 from __future__ import annotations
 
+import errno
+import gc
 import json
 import os
+import resource
 import shutil
+import struct
+import sys
 import time
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from specdec_rt.errors import ExportError  # noqa: F401 - defined there, re-exported here
-from specdec_rt.export.arch import ArchSpec, UnsupportedArchitectureError, extract
-from specdec_rt.export.graph import GraphOptions, build_model, save_model
+from specdec_rt.export.arch import (SUPPORTED_ROPE_TYPES, ArchSpec, UnsupportedArchitectureError,
+                                    extract)
+from specdec_rt.export.graph import GraphOptions, write_model
 from specdec_rt.runtime.bundle import (CONTRACT_VERSION, FORMAT_NAME, FORMAT_VERSION, MANIFEST,
                                        sha256_file)
 
 DEFAULT_MAX_CONTEXT = 4096
+DTYPES = ("fp32", "fp16")
+BF16_REFUSED = ("--dtype bf16 is not supported: ONNX Runtime's CPU execution provider has no bfloat16 "
+                "kernels for MatMul/Add/Mul (the graph would not load); bf16 checkpoints export exactly "
+                "to --dtype fp32 (the default) or to --dtype fp16 (half the size)")
 
 
 @dataclass
@@ -29,9 +46,14 @@ class ExportOptions:
     portable: bool = False
     validate: bool = True
     progress: bool = True
+    # with ``quantize``: store the embedding table quantized too (False: in the graph dtype, as
+    # before; for measuring what the embedding's quantization costs in accuracy)
+    quantize_embedding: bool = True
 
     def check(self) -> None:
-        if self.dtype not in ("fp32", "fp16"):
+        if self.dtype == "bf16":
+            raise ExportError(BF16_REFUSED)
+        if self.dtype not in DTYPES:
             raise ExportError(f"--dtype must be fp32 or fp16, not '{self.dtype}'")
         if self.quantize not in (None, "int4", "int8"):
             raise ExportError(f"--quantize must be int4 or int8, not '{self.quantize}'")
@@ -47,6 +69,7 @@ class ExportedModel:
     spec: ArchSpec
     info: dict
     files: list[str] = field(default_factory=list)
+    sha256: dict[str, str] = field(default_factory=dict)  # file -> digest, computed while writing
 
 
 class _Stages:
@@ -62,22 +85,68 @@ class _Stages:
             except ImportError:  # pragma: no cover - tqdm is in the export extra
                 self.bar = None
         self.times: dict[str, float] = {}
+        self.peak_rss: dict[str, int] = {}  # sampled per stage (Linux); see _RssSampler
+        self._rss = _RssSampler()
         self._t0 = time.perf_counter()
 
     def start(self, name: str) -> None:
         if self.bar is not None:
             self.bar.set_description(f"export: {name}")
+        self._rss.restart()
         self._name, self._t0 = name, time.perf_counter()
 
     def done(self) -> None:
         self.times[self._name] = round(time.perf_counter() - self._t0, 3)
+        peak = self._rss.peak()
+        if peak:
+            self.peak_rss[self._name] = peak
         if self.bar is not None:
             self.bar.update(1)
 
     def close(self) -> None:
+        self._rss.stop()
         if self.bar is not None:
             self.bar.set_description("export: done")
             self.bar.close()
+
+
+class _RssSampler:
+    """Peak resident memory per stage, sampled every 20 ms from /proc/self/statm by a daemon thread.
+
+    Sampling, not the kernel's high-water mark: resetting that (clear_refs) would also reset
+    ``ru_maxrss``, which must stay the exact peak of the whole export. Off where /proc is absent.
+    """
+
+    def __init__(self, interval: float = 0.02) -> None:
+        import threading
+
+        self._max = 0
+        self._stop = threading.Event()
+        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+        self._ok = os.path.exists("/proc/self/statm")
+        if self._ok:
+            self._thread = threading.Thread(target=self._run, args=(interval,), daemon=True)
+            self._thread.start()
+
+    def _now(self) -> int:
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * self._page
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    def _run(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self._max = max(self._max, self._now())
+
+    def restart(self) -> None:
+        self._max = self._now()
+
+    def peak(self) -> int:
+        return max(self._max, self._now()) if self._ok else 0
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 # -- checkpoint inspection -----------------------------------------------------------------------
@@ -108,7 +177,88 @@ def check_checkpoint(path: str | os.PathLike) -> Path:
     weights = list(p.glob("*.safetensors")) + list(p.glob("*.bin"))
     if not weights:
         raise ExportError(f"'{p}' has no weights (*.safetensors or *.bin)")
+    check_config_features(data, cfg)
+    check_weight_files(p)
     return p
+
+
+def check_config_features(data: dict, cfg_path: Path) -> None:
+    """Config switches of a known family that the exporter (or transformers) cannot honour, read
+    from config.json before anything is loaded (transformers may fail on them with a long trace)."""
+    family = data.get("model_type")
+    for key in ("hidden_act", "hidden_activation", "activation_function"):
+        value = data.get(key)
+        if isinstance(value, str):
+            from transformers.activations import ACT2FN
+
+            if value not in ACT2FN:
+                raise UnsupportedArchitectureError(
+                    f"{cfg_path}: {family}: {key}={value!r} is not an activation transformers implements")
+    for key in ("rope_parameters", "rope_scaling"):
+        params = data.get(key)
+        if not isinstance(params, dict):
+            continue
+        nested = params and all(isinstance(v, dict) for v in params.values())
+        for where, entry in (params.items() if nested else [(None, params)]):
+            rope_type = entry.get("rope_type") or entry.get("type") or "default"
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                field_name = key + (f"['{where}']" if where else "") + (".type" if "rope_type" not in entry else ".rope_type")
+                raise UnsupportedArchitectureError(
+                    f"{cfg_path}: {family}: rope type '{rope_type}' ({field_name}) is not supported; "
+                    f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Why ``path`` is not a complete safetensors file (header read only), or None."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"is truncated ({size} bytes, no header)"
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            return f"is truncated ({size} bytes; its header alone needs {8 + n})"
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return "is not a valid safetensors file (unreadable header)"
+    if not isinstance(header, dict):
+        return "is not a valid safetensors file (unreadable header)"
+    end = max((v["data_offsets"][1] for k, v in header.items()
+               if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v), default=0)
+    if 8 + n + end > size:
+        return f"is truncated ({size} bytes; its header describes {8 + n + end})"
+    return None
+
+
+def check_weight_files(p: Path) -> None:
+    """Every shard an index lists exists, and no weight file is cut short (headers only)."""
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = p / index_name
+        if not index.is_file():
+            continue
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+            raise ExportError(f"{index} is not a valid weight index (no readable 'weight_map')") from None
+        missing = [s for s in shards if not (p / s).is_file()]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise ExportError(f"{p / missing[0]} is missing{more}: {index_name} lists "
+                              f"{len(shards)} shards; the checkpoint is incomplete")
+    for f in sorted(p.glob("*.safetensors")):
+        problem = _safetensors_problem(f)
+        if problem:
+            raise ExportError(f"{f} {problem}; re-download or re-save the checkpoint")
+    for f in sorted(p.glob("*.bin")):
+        with open(f, "rb") as fh:
+            is_zip = fh.read(2) == b"PK"
+        if is_zip:
+            try:
+                zipfile.ZipFile(f).close()
+            except (zipfile.BadZipFile, OSError):
+                raise ExportError(f"{f} is truncated or corrupt (unreadable zip archive); "
+                                  "re-download or re-save the checkpoint") from None
 
 
 def load_tokenizer_json(path: Path):
@@ -283,16 +433,25 @@ def _eos_ids(path: Path, config_eos) -> list[int]:
     return [ids] if isinstance(ids, int) else list(ids)
 
 
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
+
+
 def _load_torch_model(path: Path):
-    import torch
+    """The checkpoint in its own dtype (bf16 stays bf16: half the memory of float32; the
+    validation's reference computes in float32 anyway, see validate.float32_compute)."""
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    except TypeError:  # transformers < 4.56 spells it torch_dtype
-        model = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ExportError(f"could not load the checkpoint in '{path}': {exc}") from None
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto")
+        except TypeError:  # transformers < 4.56 spells it torch_dtype
+            model = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype="auto")
+    except MemoryError:
+        raise ExportError(f"out of memory loading the checkpoint in '{path}'") from None
+    except Exception as exc:  # noqa: BLE001 - transformers/safetensors raise many types; one line each
+        raise ExportError(f"could not load the checkpoint in '{path}': {_one_line(exc)}") from None
     model.eval()
     if hasattr(model.config, "_attn_implementation"):
         try:
@@ -311,60 +470,65 @@ def attention_accumulation(role: str, portable: bool) -> str:
 
 # -- one model --------------------------------------------------------------------------------------
 
+def process_peak_rss() -> int:
+    """``getrusage(RUSAGE_SELF).ru_maxrss`` in bytes: the process's peak since it started."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
 def export_model(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, role: str,
                  options: ExportOptions, stages: _Stages | None = None,
                  max_context: int | None = None) -> ExportedModel:
-    """Export one checkpoint into ``out_dir/<role>/model.onnx`` (+ external data)."""
+    """Export one checkpoint into ``out_dir/<role>/model.onnx`` + ``model.onnx.data``."""
     options.check()
     ckpt = check_checkpoint(checkpoint)
-    stages = stages or _Stages(5, False)
+    own_stages = stages is None
+    stages = stages or _Stages(4, False)
     out = Path(out_dir) / role
     out.mkdir(parents=True, exist_ok=True)
+    quant = options.quantize if role in options.quantize_roles else None
 
     stages.start(f"load {role}")
     model = _load_torch_model(ckpt)
     ctx = max_context or options.max_context or DEFAULT_MAX_CONTEXT
     spec, weights = extract(model, ctx)
     spec.eos_token_ids = _eos_ids(ckpt, spec.eos_token_ids or None)
+    torch_dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    architectures = getattr(model.config, "architectures", None)
     stages.done()
+
+    refs = None
+    if options.validate:
+        from specdec_rt.export.validate import reference_outputs
+
+        stages.start(f"reference {role}")
+        refs = reference_outputs(model, spec)
+        stages.done()
 
     stages.start(f"build {role}")
     graph_opts = GraphOptions(dtype=options.dtype, opset=options.opset, fused=not options.portable,
-                              attention_accumulation=attention_accumulation(role, options.portable))
-    proto = build_model(spec, weights, graph_opts)
-    num_params = int(sum(np.prod(t.dims) for t in proto.graph.initializer))
+                              attention_accumulation=attention_accumulation(role, options.portable),
+                              quantize=quant, quantize_embedding=options.quantize_embedding)
     path = out / "model.onnx"
-    files = save_model(proto, str(path))
-    fp_bytes = sum(os.path.getsize(f) for f in files)
+    written = write_model(spec, weights, graph_opts, str(path))
+    del weights, model
+    gc.collect()
     stages.done()
 
-    kv_dtype = np.float16 if options.dtype == "fp16" else np.float32
+    kv_dtype = "float16" if options.dtype == "fp16" else "float32"
     validation: dict = {}
     stages.start(f"validate {role}")
-    if options.validate:
-        from specdec_rt.export.validate import validate
+    if refs is not None:
+        from specdec_rt.export.validate import compare
 
-        tol = None if options.dtype == "fp32" else 5e-2 * 30
-        report = validate(model, str(path), spec, kv_dtype=kv_dtype, tolerance=tol)
-        validation = report.to_dict()
+        if quant:  # the float graph is never built: the quantized one is compared, not enforced
+            validation = {"quantized": compare(str(path), spec, refs, kv_dtype=kv_dtype, enforce=False).to_dict()}
+        else:
+            tol = None if options.dtype == "fp32" else 5e-2 * 30
+            validation = compare(str(path), spec, refs, kv_dtype=kv_dtype, tolerance=tol, prepack=False).to_dict()
     stages.done()
+    peak = max((v for k, v in stages.peak_rss.items() if k.endswith(f" {role}")), default=None)
 
-    quant = options.quantize if role in options.quantize_roles else None
-    stages.start(f"quantize {role}" if quant else f"save {role}")
-    if quant:
-        from specdec_rt.export.quantize import quantize_weights
-        from specdec_rt.export.validate import validate
-
-        import onnx
-
-        qproto = quantize_weights(onnx.load(str(path)), quant)
-        files = save_model(qproto, str(path))
-        if options.validate:
-            qreport = validate(model, str(path), spec, kv_dtype=kv_dtype, enforce=False)
-            validation["quantized"] = qreport.to_dict()
-    stages.done()
-
-    size = sum(os.path.getsize(f) for f in files)
     info = {
         "graph": f"{role}/model.onnx",
         "family": spec.family,
@@ -375,7 +539,7 @@ def export_model(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, role
         "hidden_size": spec.hidden_size,
         "vocab_size": spec.vocab_size,
         "dtype": options.dtype,
-        "kv_dtype": "float16" if options.dtype == "fp16" else "float32",
+        "kv_dtype": kv_dtype,
         "max_positions": spec.max_positions,
         "sliding_window": spec.sliding_window,  # the runtime's masks apply it (every layer)
         "graph_windows": spec.layer_windows,  # per-layer windows the graph applies itself; informational
@@ -383,16 +547,19 @@ def export_model(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, role
         "opset": options.opset,
         "fused_ops": not options.portable,
         "attention_accumulation": graph_opts.attention_accumulation,
-        "num_parameters": num_params,
-        "num_nodes": len(proto.graph.node),
-        "size_bytes": size,
-        "size_bytes_unquantized": fp_bytes,
+        "num_parameters": written.num_params,
+        "num_nodes": written.num_nodes,
+        "size_bytes": written.size_bytes,
+        # the graph's initializers without quantization (computed; a quantized export never writes them)
+        "size_bytes_unquantized": written.unquantized_bytes if quant else written.size_bytes,
         "validation": validation,
-        "source": {"checkpoint": str(ckpt.resolve()), "architectures": getattr(model.config, "architectures", None)},
+        "export_peak_rss_bytes": peak,  # sampled: the highest of this model's stages
+        "source": {"checkpoint": str(ckpt.resolve()), "architectures": architectures, "dtype": torch_dtype},
     }
-    del model
-    return ExportedModel(role=role, spec=spec, info=info,
-                         files=[str(Path(f).relative_to(out_dir)) for f in files])
+    if own_stages:
+        stages.close()
+    sha = {str(Path(f).relative_to(out_dir)): d for f, d in written.sha256.items()}
+    return ExportedModel(role=role, spec=spec, info=info, files=list(sha), sha256=sha)
 
 
 # -- the pair -------------------------------------------------------------------------------------
@@ -423,8 +590,55 @@ def export_pair(target: str | os.PathLike, draft: str | os.PathLike | None, out:
     for stale in ("chat_template.jinja", "generation_config.json"):
         if (out / stale).is_file():
             (out / stale).unlink()
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out '{out}' exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file():
+        raise ExportError(f"--out '{out}' is a non-empty folder without {MANIFEST} (not a specdec-rt bundle); "
+                          "refusing to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # everything is written into a sibling folder and renamed into place once complete: a failed
+    # or interrupted export never leaves a bundle that looks finished (nor breaks the previous one)
+    work = out.parent / f"{out.name}.partial-{os.getpid()}"
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir()
+    try:
+        manifest = _export_into(work, t_ckpt, d_ckpt, t_tok, hashes, options)
+        _replace_dir(work, out)
+    except OSError as exc:
+        shutil.rmtree(work, ignore_errors=True)
+        if exc.errno == errno.ENOSPC:
+            raise ExportError(f"no space left on the device writing {exc.filename or work}; "
+                              "free space or choose another --out") from None
+        raise
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Move the finished bundle ``src`` to ``dst``, replacing a previous bundle there."""
+    old = None
+    if dst.exists():
+        old = dst.parent / f"{dst.name}.old-{os.getpid()}"
+        dst.rename(old)
+    src.rename(dst)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _export_into(out: Path, t_ckpt: Path, d_ckpt: Path | None, t_tok, hashes: dict,
+                 options: ExportOptions) -> dict:
     roles = [("target", t_ckpt)] + ([("draft", d_ckpt)] if d_ckpt is not None else [])
-    stages = _Stages(4 * len(roles) + 1, options.progress)
+    stages = _Stages((4 if options.validate else 3) * len(roles) + 1, options.progress)
+    try:
+        return _export_roles(out, roles, t_tok, hashes, options, stages)
+    finally:
+        stages.close()
+
+
+def _export_roles(out: Path, roles: list, t_tok, hashes: dict, options: ExportOptions, stages: _Stages) -> dict:
     t0 = time.perf_counter()
     exported = {}
     max_ctx = None
@@ -445,8 +659,10 @@ def export_pair(target: str | os.PathLike, draft: str | os.PathLike | None, out:
             )
     max_context = min(em.spec.max_positions for em in exported.values())
     t_tok.save(str(out / "tokenizer.json"))
-    chat, gen_config, chat_files = write_chat_assets(t_ckpt, out)
-    files = ["tokenizer.json"] + chat_files + [f for em in exported.values() for f in em.files]
+    chat, gen_config, chat_files = write_chat_assets(roles[0][1], out)  # the target's
+    digests = {f: sha256_file(out / f) for f in ["tokenizer.json"] + chat_files}
+    for em in exported.values():
+        digests.update(em.sha256)
     manifest = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -465,9 +681,12 @@ def export_pair(target: str | os.PathLike, draft: str | os.PathLike | None, out:
         "models": {role: em.info for role, em in exported.items()},
         "export_seconds": round(time.perf_counter() - t0, 2),
         "stage_seconds": stages.times,
-        "files": {f: sha256_file(out / f) for f in files},
+        "stage_peak_rss_bytes": stages.peak_rss,
+        # getrusage(RUSAGE_SELF).ru_maxrss: the exporting process's peak since it started
+        "export_peak_rss_bytes": process_peak_rss(),
+        "files": digests,
     }
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     stages.done()
-    stages.close()
+    manifest["stage_seconds"] = stages.times
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))  # last: the bundle is complete
     return manifest
