@@ -583,13 +583,6 @@ def export_pair(target: str | os.PathLike, draft: str | os.PathLike | None, out:
         hashes["draft"] = vocab_digest(d_tok)
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in ("target", "draft", "chat_templates"):
-        if (out / stale).is_dir():
-            shutil.rmtree(out / stale)
-    for stale in ("chat_template.jinja", "generation_config.json"):
-        if (out / stale).is_file():
-            (out / stale).unlink()
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out '{out}' exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file():
