@@ -666,3 +666,24 @@ def test_batch_server_concurrent_requests_equal_library(tiny_pair, tiny_gen):
         m = metrics(url)
         assert m[("specdec:request_success_total", (("finished_reason", "length"),))] >= 1
         _wait_idle(url)
+
+
+def test_batch_scheduler_queue_limit_counts_free_rows(tiny_gen):
+    """With max_queue=0, as many requests as there are rows are accepted; the next one is QueueFull."""
+    import asyncio
+
+    from specdec_rt.serving.scheduler import BatchScheduler, GenSpec, QueueFull
+
+    sched = BatchScheduler(tiny_gen, 2, max_queue=0)  # not started: nothing leaves the queue
+
+    async def run():
+        spec = GenSpec([1, 2, 3], {"max_new_tokens": 2})
+        jobs = [sched.submit(spec), sched.submit(spec)]
+        with pytest.raises(QueueFull):
+            sched.submit(spec)
+        for job in jobs:
+            job.cancel()
+        return [[e.kind async for e in job.events()] for job in jobs]
+
+    assert asyncio.run(run()) == [["cancelled"], ["cancelled"]]
+    assert sched.queue_depth == 0 and sched.capacity == 2
