@@ -391,7 +391,7 @@ LONG = {"prompt": "def f(", "max_tokens": 240, "temperature": 0, "stream": True,
 
 @pytest.mark.parametrize("sched", SCHEDULERS)
 def test_queue_full_is_429(tiny_pair, sched):
-    with serve(tiny_pair["bundle"], step_delay=0.01, max_queue=0, scheduler=sched, max_batch=1 if sched == "batch" else 4) as (url, app):
+    with serve(tiny_pair["bundle"], step_delay=0.01, max_queue=0, scheduler=sched, max_batch=1) as (url, _app):
         c, resp, _lines = _first_chunk(url, LONG)  # occupies the only slot
         try:
             r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
@@ -408,7 +408,7 @@ def test_queue_full_is_429(tiny_pair, sched):
 
 @pytest.mark.parametrize("sched", SCHEDULERS)
 def test_disconnect_frees_the_slot(tiny_pair, sched):
-    with serve(tiny_pair["bundle"], step_delay=0.01, max_queue=0, scheduler=sched, max_batch=1 if sched == "batch" else 4) as (url, app):
+    with serve(tiny_pair["bundle"], step_delay=0.01, max_queue=0, scheduler=sched, max_batch=1) as (url, _app):
         before = metrics(url)
         c, resp, _lines = _first_chunk(url, LONG)
         resp.close()  # the client goes away mid-stream
@@ -426,7 +426,7 @@ def test_disconnect_frees_the_slot(tiny_pair, sched):
 @pytest.mark.parametrize("sched", SCHEDULERS)
 def test_disconnect_while_queued(tiny_pair, sched):
     """A waiting request whose client leaves is dropped from the queue (never generated)."""
-    with serve(tiny_pair["bundle"], step_delay=0.01, max_queue=4, scheduler=sched, max_batch=1 if sched == "batch" else 4) as (url, app):
+    with serve(tiny_pair["bundle"], step_delay=0.01, max_queue=4, scheduler=sched, max_batch=1) as (url, _app):
         c1, r1, lines1 = _first_chunk(url, LONG)
         host, port = url[len("http://"):].split(":")
         body = json.dumps(LONG).encode()
@@ -683,7 +683,10 @@ def test_batch_scheduler_queue_limit_counts_free_rows(tiny_gen):
             sched.submit(spec)
         for job in jobs:
             job.cancel()
-        return [[e.kind async for e in job.events()] for job in jobs]
+        kinds = []
+        for job in jobs:
+            kinds.append([e.kind async for e in job.events()])
+        return kinds
 
     assert asyncio.run(run()) == [["cancelled"], ["cancelled"]]
     assert sched.queue_depth == 0 and sched.capacity == 2

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None, prog: str = "specdec-serve") -> int:
     server = draining_server_class()(uv_config, on_drain=app.state.api.scheduler.begin_drain)
     rows = app.state.api.scheduler.capacity
     print(f"specdec-rt serving {bundle} as '{config.model_name}' on http://{host}:{port} ({args.provider}, "
-          f"{'batches of up to %d rows' % rows if rows > 1 else 'serial'}); OpenAI base URL: /v1", flush=True)
+          f"{f'batches of up to {rows} rows' if rows > 1 else 'serial'}); OpenAI base URL: /v1", flush=True)
     server.run(sockets=[sock])
     return 0
 

@@ -1,17 +1,20 @@
 """Scheduling generations onto an engine: a bounded queue in front of one :class:`Generator`.
 
-One ``Generator`` owns one KV cache per model, so its generations run one at a time. The
-:class:`SerialScheduler` keeps a bounded FIFO of waiting requests and one worker thread that runs
-them; request handlers (asyncio) submit a :class:`GenSpec` and read :class:`Event` objects from the
+Two schedulers share one interface: :class:`BatchScheduler` runs the requests as rows of one
+batched generation (continuous batching, up to ``max_batch`` rows; the default where the generator
+holds several sequences, i.e. the CPU provider) and :class:`SerialScheduler` runs one at a time
+(:func:`make_scheduler` picks). Both keep a bounded FIFO of waiting requests and one worker thread;
+request handlers (asyncio) submit a :class:`GenSpec` and read :class:`Event` objects from the
 returned :class:`Job`. The interface is small on purpose (``submit`` -> job, ``job.events()``,
-``job.cancel()``, ``queue_depth`` / ``running``, ``begin_drain`` / ``close``) so that a batched
-engine (continuous batching, several rows per target call) can replace the serial worker without
-touching the HTTP layer.
+``job.cancel()``, ``queue_depth`` / ``running`` / ``capacity``, ``begin_drain`` / ``close``), so
+the HTTP layer does not know which one runs.
 
-* Over capacity (``max_queue`` requests already waiting) ``submit`` raises :class:`QueueFull`.
+* Over capacity (``max_queue`` requests already waiting and no free row) ``submit`` raises
+  :class:`QueueFull`.
 * ``job.cancel()`` (a client disconnected) drops a waiting job from the queue, or stops a running
-  generation at its next step: the worker iterates ``Generator.stream(..., every_step=True)``, which
-  yields once per target call, and checks the flag between steps.
+  generation at its next step: the serial worker iterates ``Generator.stream(..., every_step=True)``,
+  which yields once per target call, the batch worker sees every row after every step; both check
+  the flag there.
 * A job's deadline is enforced by the worker between steps (the slot is freed) and by the
   reader while it waits (queued jobs time out too): the reader gets a ``deadline`` error event.
 * ``begin_drain()`` refuses new jobs (:class:`Draining`) and lets accepted ones finish;
@@ -231,13 +234,15 @@ class SerialScheduler:
 
         metrics = self.metrics
         job.started = time.monotonic()
-        if job.cancelled:
-            job.post(Event("cancelled"))
-            return
-        if job.deadline is not None and job.started >= job.deadline:
-            job.post(deadline_error(job))
+        if job.deadline is not None and job.started >= job.deadline:  # first: the reader cancels a
+            job.post(deadline_error(job))  # job whose deadline passed
             if metrics is not None:
                 metrics.finished("deadline")
+            return
+        if job.cancelled:
+            job.post(Event("cancelled"))
+            if metrics is not None:
+                metrics.finished("abort")
             return
         if metrics is not None:
             metrics.queue_time(job.started - job.arrival)
@@ -412,10 +417,10 @@ class BatchScheduler(SerialScheduler):
         job.started = time.monotonic()
         result = GenerationResult("", [], GenerationStats())
         outcome = None
-        if job.cancelled:
+        if job.deadline is not None and job.started >= job.deadline:  # before cancelled: the reader
+            outcome = deadline_error(job)  # cancels a job whose deadline passed
+        elif job.cancelled:
             outcome = Event("cancelled")
-        elif job.deadline is not None and job.started >= job.deadline:
-            outcome = deadline_error(job)
         else:
             if metrics is not None:
                 metrics.queue_time(job.started - job.arrival)
@@ -462,7 +467,9 @@ class BatchScheduler(SerialScheduler):
             k, policy, d = self._group(key)
         except USER_ERRORS as exc:  # e.g. drafter "model" without a draft model: refuse the head
             with self._cond:
-                job = self._waiting.popleft() if self._waiting else None
+                head = self._waiting[0] if self._waiting else None
+                same = head is not None and self.group_key(head.spec) == key
+                job = self._waiting.popleft() if same else None
             if job is not None:
                 from specdec_rt.runtime.generator import GenerationResult, GenerationStats
 
