@@ -47,18 +47,29 @@ class SlowGen:
             yield piece
 
 
+SCHEDULERS = ["serial", "batch"]
+
+
 @contextlib.contextmanager
-def serve(bundle, step_delay: float | None = None, **config):
-    """``create_app`` on its own generator, uvicorn in a thread; yields (base URL, app)."""
+def serve(bundle, step_delay: float | None = None, scheduler: str = "serial", max_batch: int = 4, **config):
+    """``create_app`` on its own generator, uvicorn in a thread; yields (base URL, app).
+    ``scheduler``: "serial" (SerialScheduler) or "batch" (BatchScheduler of ``max_batch`` rows)."""
     import uvicorn
 
     import specdec_rt
     from specdec_rt.serving import ServerConfig, create_app
+    from specdec_rt.serving.scheduler import BatchScheduler
 
     gen = specdec_rt.load(bundle, threads=1)
-    if step_delay:
-        gen = SlowGen(gen, step_delay)
-    app = create_app(gen, ServerConfig(**{"model_name": "tiny", **config}))
+    cfg = ServerConfig(**{"model_name": "tiny", **config})
+    sched = None
+    if scheduler == "batch":
+        sched = BatchScheduler(gen, max_batch, cfg.max_queue, step_delay=step_delay or 0.0)
+    else:
+        cfg.max_batch = 1
+        if step_delay:
+            gen = SlowGen(gen, step_delay)
+    app = create_app(gen, cfg, scheduler=sched)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -91,9 +102,9 @@ def metrics(url: str) -> dict[tuple[str, tuple], float]:
     return out
 
 
-@pytest.fixture(scope="module")
-def server(tiny_pair):
-    with serve(tiny_pair["bundle"]) as (url, app):
+@pytest.fixture(scope="module", params=SCHEDULERS)
+def server(request, tiny_pair):
+    with serve(tiny_pair["bundle"], scheduler=request.param) as (url, app):
         yield url
 
 
@@ -109,9 +120,9 @@ def chat_bundle(tmp_path_factory):
     return base / "bundle"
 
 
-@pytest.fixture(scope="module")
-def chat_server(chat_bundle):
-    with serve(chat_bundle) as (url, app):
+@pytest.fixture(scope="module", params=SCHEDULERS)
+def chat_server(request, chat_bundle):
+    with serve(chat_bundle, scheduler=request.param) as (url, app):
         yield url
 
 
@@ -378,8 +389,9 @@ LONG = {"prompt": "def f(", "max_tokens": 240, "temperature": 0, "stream": True,
         "specdec": {"drafter": "none"}, "ignore_eos": True}
 
 
-def test_queue_full_is_429(tiny_pair):
-    with serve(tiny_pair["bundle"], step_delay=0.01, max_queue=0) as (url, app):
+@pytest.mark.parametrize("sched", SCHEDULERS)
+def test_queue_full_is_429(tiny_pair, sched):
+    with serve(tiny_pair["bundle"], step_delay=0.01, max_queue=0, scheduler=sched, max_batch=1) as (url, _app):
         c, resp, _lines = _first_chunk(url, LONG)  # occupies the only slot
         try:
             r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
@@ -394,8 +406,9 @@ def test_queue_full_is_429(tiny_pair):
         assert httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
-def test_disconnect_frees_the_slot(tiny_pair):
-    with serve(tiny_pair["bundle"], step_delay=0.01, max_queue=0) as (url, app):
+@pytest.mark.parametrize("sched", SCHEDULERS)
+def test_disconnect_frees_the_slot(tiny_pair, sched):
+    with serve(tiny_pair["bundle"], step_delay=0.01, max_queue=0, scheduler=sched, max_batch=1) as (url, _app):
         before = metrics(url)
         c, resp, _lines = _first_chunk(url, LONG)
         resp.close()  # the client goes away mid-stream
@@ -410,9 +423,10 @@ def test_disconnect_frees_the_slot(tiny_pair):
         assert r.status_code == 200  # the slot is free again
 
 
-def test_disconnect_while_queued(tiny_pair):
+@pytest.mark.parametrize("sched", SCHEDULERS)
+def test_disconnect_while_queued(tiny_pair, sched):
     """A waiting request whose client leaves is dropped from the queue (never generated)."""
-    with serve(tiny_pair["bundle"], step_delay=0.01, max_queue=4) as (url, app):
+    with serve(tiny_pair["bundle"], step_delay=0.01, max_queue=4, scheduler=sched, max_batch=1) as (url, _app):
         c1, r1, lines1 = _first_chunk(url, LONG)
         host, port = url[len("http://"):].split(":")
         body = json.dumps(LONG).encode()
@@ -438,8 +452,9 @@ def test_disconnect_while_queued(tiny_pair):
         assert m[("specdec:request_success_total", (("finished_reason", "length"),))] == 1
 
 
-def test_deadline_is_a_clean_error(tiny_pair):
-    with serve(tiny_pair["bundle"]) as (url, app):
+@pytest.mark.parametrize("sched", SCHEDULERS)
+def test_deadline_is_a_clean_error(tiny_pair, sched):
+    with serve(tiny_pair["bundle"], scheduler=sched) as (url, app):
         body = {**LONG, "stream": False, "specdec": {"drafter": "none", "timeout": 0.02}}
         r = httpx.post(url + "/v1/completions", json=body)
         assert r.status_code == 504, r.text
@@ -523,3 +538,155 @@ def test_scheduler_stops_a_cancelled_job_at_the_next_step(tiny_gen):
     assert kinds[-1] == "cancelled" and kinds.count("piece") <= 4
     assert Counting.steps <= at_cancel + 1  # the step running at cancel time, no more
     assert sched.running == 0 and sched.queue_depth == 0
+
+
+# -- the batch scheduler (continuous batching) ------------------------------------------------------------
+def _run_jobs(sched, specs, on_event=None):
+    """Submit ``specs`` (GenSpec) at once to a started scheduler; returns each job's events."""
+    import asyncio
+
+    async def run():
+        jobs = [sched.submit(s) for s in specs]
+
+        async def read(i, job):
+            out = []
+            async for event in job.events():
+                out.append(event)
+                if on_event is not None:
+                    on_event(i, job, event)
+            return out
+
+        return await asyncio.gather(*(read(i, j) for i, j in enumerate(jobs)))
+
+    return asyncio.run(run())
+
+
+BATCH_CASES = [
+    ("def wrap(text, width):", {"max_new_tokens": 20, "temperature": 0}),
+    ("import heapq\n", {"max_new_tokens": 7, "temperature": 0, "stop": ["\n"]}),
+    ("class Stack:\n    def __init__(self):", {"max_new_tokens": 25, "temperature": 0.8, "seed": 3}),
+    ("def f(", {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}),
+    ("x = 1", {"max_new_tokens": 12, "temperature": 1.0, "top_k": 20, "seed": 11}),
+    ("for i in range(", {"max_new_tokens": 18, "temperature": 0}),
+]
+
+
+def test_batch_scheduler_rows_equal_single_runs(tiny_gen):
+    """Six requests, four rows: each row's output is the library's single run (greedy and seeded
+    sampling with a fixed K, stop strings, max_tokens per row); rows ran concurrently."""
+    from specdec_rt.serving.scheduler import BatchScheduler, GenSpec
+
+    sched = BatchScheduler(tiny_gen, 4, max_queue=8)
+    sched.start()
+    widths = []
+    try:
+        events = _run_jobs(sched, [GenSpec(tiny_gen.tokenizer.encode(p), dict(kw, num_draft_tokens=3,
+                                                                               drafter="model"))
+                                   for p, kw in BATCH_CASES],
+                           on_event=lambda i, job, e: widths.append(sched.running))
+    finally:
+        sched.close(10)
+    assert max(widths) > 1 and max(widths) <= 4
+    for (prompt, kw), evs in zip(BATCH_CASES, events):
+        want = tiny_gen.generate(prompt, num_draft_tokens=3, drafter="model", **kw)
+        assert evs[-1].kind == "done", evs[-1]
+        res = evs[-1].result
+        assert res.token_ids == want.token_ids and res.finish_reason == want.finish_reason, prompt
+        assert "".join(e.text for e in evs if e.kind == "piece") == res.text == want.text
+    assert sched.running == 0 and sched.queue_depth == 0
+
+
+def test_batch_scheduler_cancel_leaves_other_rows_unchanged(tiny_gen):
+    """Cancelling one row (a disconnect) stops it at the next step; the other rows' tokens are those
+    of their single runs, and a request with other settings (tree, no drafter) still runs exactly."""
+    from specdec_rt.serving.scheduler import BatchScheduler, GenSpec
+
+    sched = BatchScheduler(tiny_gen, 3, max_queue=8)
+    sched.start()
+    specs = [GenSpec(tiny_gen.tokenizer.encode("def f("), {"max_new_tokens": 200, "temperature": 0,
+                                                           "ignore_eos": True, "drafter": "model"}),
+             GenSpec(tiny_gen.tokenizer.encode(BATCH_CASES[0][0]), {"max_new_tokens": 40, "temperature": 0,
+                                                                     "ignore_eos": True, "drafter": "model"}),
+             GenSpec(tiny_gen.tokenizer.encode(BATCH_CASES[2][0]), {"max_new_tokens": 20, "temperature": 0,
+                                                                     "drafter": "model", "speculation": "tree",
+                                                                     "num_draft_tokens": 6}),
+             GenSpec(tiny_gen.tokenizer.encode(BATCH_CASES[5][0]), {"max_new_tokens": 20, "temperature": 0,
+                                                                     "drafter": None})]
+
+    def on_event(i, job, event):
+        if i == 0 and event.kind == "piece" and not job.cancelled:
+            job.cancel()
+
+    try:
+        events = _run_jobs(sched, specs, on_event)
+    finally:
+        sched.close(10)
+    assert events[0][-1].kind == "cancelled" and sum(e.kind == "piece" for e in events[0]) <= 2
+    for spec, evs in zip(specs[1:], events[1:]):
+        want = tiny_gen.generate(spec.prompt_ids, **spec.kwargs)
+        assert evs[-1].kind == "done" and evs[-1].result.token_ids == want.token_ids
+    assert sched.running == 0 and sched.queue_depth == 0
+
+
+def test_batch_server_concurrent_requests_equal_library(tiny_pair, tiny_gen):
+    """Concurrent HTTP requests on the batch scheduler: each answer is the library's; /health and
+    /metrics report the rows running."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with serve(tiny_pair["bundle"], scheduler="batch", max_batch=4, step_delay=0.002,
+               num_draft_tokens=3) as (url, app):
+        c = client(url)
+
+        def one(case):
+            prompt, kw = case
+            extra = {k: v for k, v in kw.items() if k in ("ignore_eos", "top_k")}
+            return c.completions.create(model="tiny", prompt=prompt, max_tokens=kw["max_new_tokens"],
+                                        temperature=kw["temperature"], seed=kw.get("seed"), stop=kw.get("stop"),
+                                        extra_body=extra).choices[0].text
+
+        seen = []
+        stop = threading.Event()
+
+        def poll():
+            while not stop.is_set():
+                seen.append(httpx.get(url + "/health").json()["running"])
+                time.sleep(0.005)
+
+        watcher = threading.Thread(target=poll)
+        watcher.start()
+        try:
+            with ThreadPoolExecutor(6) as ex:
+                texts = list(ex.map(one, BATCH_CASES))
+        finally:
+            stop.set()
+            watcher.join()
+        for (prompt, kw), text in zip(BATCH_CASES, texts):
+            assert text == tiny_gen.generate(prompt, num_draft_tokens=3, drafter="model", **kw).text, prompt
+        assert max(seen) > 1 and httpx.get(url + "/health").json()["max_batch"] == 4
+        m = metrics(url)
+        assert m[("specdec:request_success_total", (("finished_reason", "length"),))] >= 1
+        _wait_idle(url)
+
+
+def test_batch_scheduler_queue_limit_counts_free_rows(tiny_gen):
+    """With max_queue=0, as many requests as there are rows are accepted; the next one is QueueFull."""
+    import asyncio
+
+    from specdec_rt.serving.scheduler import BatchScheduler, GenSpec, QueueFull
+
+    sched = BatchScheduler(tiny_gen, 2, max_queue=0)  # not started: nothing leaves the queue
+
+    async def run():
+        spec = GenSpec([1, 2, 3], {"max_new_tokens": 2})
+        jobs = [sched.submit(spec), sched.submit(spec)]
+        with pytest.raises(QueueFull):
+            sched.submit(spec)
+        for job in jobs:
+            job.cancel()
+        kinds = []
+        for job in jobs:
+            kinds.append([e.kind async for e in job.events()])
+        return kinds
+
+    assert asyncio.run(run()) == [["cancelled"], ["cancelled"]]
+    assert sched.queue_depth == 0 and sched.capacity == 2

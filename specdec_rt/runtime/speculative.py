@@ -30,6 +30,11 @@ from specdec_rt.runtime.sampling import (SamplingParams, accept_chain_greedy, ac
 from specdec_rt.runtime.stats import BatchStats, GenerationStats
 
 
+WAIT = object()
+"""A row source (:func:`run_batch`'s ``rows``) may yield ``WAIT``: no row to admit now, ask again
+after the next step (a server's queue that is empty while rows are decoding)."""
+
+
 class DraftLengthPolicy(Protocol):
     """Chooses K for each step of a batch of ``width`` rows; learns from every row's outcome."""
 
@@ -195,7 +200,8 @@ def run_batch(target: OrtEngine, drafter: Drafter | None, rows: Iterable[Row], m
     """Decode ``rows`` with at most ``max_rows`` in flight; yield (row, newly committed ids),
     one pair per row per target call it took part in (its prefill first).
 
-    ``rows`` is consumed lazily: a row is taken when a cache sequence is free. A row whose prefill
+    ``rows`` is consumed lazily: a row is taken when a cache sequence is free (a source that
+    yields :data:`WAIT` has none now and is asked again after the next step). A row whose prefill
     fails (e.g. its prompt does not fit) gets ``error`` and ``finished="error"`` and the others go
     on. The consumer may set ``row.finished`` (stop string, cancellation) after any yield: the
     row leaves before the next step. K is ``policy.choose(width)`` per step, else fixed.
@@ -210,6 +216,8 @@ def run_batch(target: OrtEngine, drafter: Drafter | None, rows: Iterable[Row], m
             row = next(waiting, None)
             if row is None:
                 exhausted = True
+                break
+            if row is WAIT:
                 break
             row.seq = free.pop()
             try:

@@ -33,7 +33,7 @@ from starlette.routing import Route
 from specdec_rt.errors import USER_ERRORS
 from specdec_rt.serving import protocol as P
 from specdec_rt.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from specdec_rt.serving.scheduler import Draining, GenSpec, QueueFull, SerialScheduler
+from specdec_rt.serving.scheduler import Draining, GenSpec, QueueFull, make_scheduler
 
 log = logging.getLogger("specdec_rt.serving")
 
@@ -49,6 +49,7 @@ class ServerConfig:
     drafter: str | None = "auto"  # "auto": "model" when the bundle has a draft, else None
     speculation: str = "chain"
     max_queue: int = 64
+    max_batch: int | None = None  # rows decoding at once; None: the generator's max_batch (1 = serial)
     request_timeout: float | None = 600.0  # seconds; None: no deadline
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 256  # when a request gives none (capped by the room left in the context)
@@ -119,7 +120,7 @@ class SpecdecAPI:
         self.gen = generator
         self.config = config
         self.metrics = ServerMetrics(config.model_name, config.metrics_prefix)
-        self.scheduler = scheduler or SerialScheduler(generator, config.max_queue, self.metrics)
+        self.scheduler = scheduler or make_scheduler(generator, config.max_batch, config.max_queue, self.metrics)
         if getattr(self.scheduler, "metrics", None) is None:
             self.scheduler.metrics = self.metrics
         self.metrics.bind(self.scheduler)
@@ -328,6 +329,7 @@ class SpecdecAPI:
         draining = s.draining
         body = {"status": "draining" if draining else "ok", "model": self.config.model_name,
                 "queue_depth": s.queue_depth, "running": s.running, "max_queue": self.config.max_queue,
+                "max_batch": s.capacity,
                 "max_length": self.context, "has_draft": self.gen.draft_engine is not None, "pid": os.getpid(),
                 **self.config.info}
         return JSONResponse(body, status_code=503 if draining else 200)

@@ -29,6 +29,16 @@ def _k(value: str) -> int | str:
     return k
 
 
+def _positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError("an integer >= 1") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError("an integer >= 1")
+    return n
+
+
 def _timeout(value: str) -> float | None:
     t = float(value)
     return None if t <= 0 else t
@@ -73,7 +83,10 @@ def build_parser(prog: str = "specdec-serve") -> argparse.ArgumentParser:
                    help="auto: the draft model when the bundle has one, else none")
     g.add_argument("--speculation", default="chain", choices=("chain", "tree"))
     g = ap.add_argument_group("limits")
-    g.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the running one; more "
+    g.add_argument("--max-batch", type=_positive, default=None, help="requests decoding at once as rows of one "
+                   "batched generation (continuous batching); 1: one at a time (serial). Default: 8 on the CPU "
+                   "provider, serial on GPU providers (batched calls are CPU-only)")
+    g.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the running ones; more "
                    "are answered 429 (default 64)")
     g.add_argument("--request-timeout", type=_timeout, default=600.0, help="per-request deadline in seconds, "
                    "queue wait included (0: none; default 600); a request may ask for less")
@@ -99,7 +112,7 @@ def config_from_args(args, bundle: Path):
 
     return ServerConfig(
         model_name=args.served_model_name or bundle.resolve().name, num_draft_tokens=args.num_draft_tokens,
-        drafter=args.drafter, speculation=args.speculation, max_queue=args.max_queue,
+        drafter=args.drafter, speculation=args.speculation, max_queue=args.max_queue, max_batch=args.max_batch,
         request_timeout=args.request_timeout, max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,
         metrics_prefix=args.metrics_prefix, drain_timeout=args.drain_timeout,
@@ -125,7 +138,8 @@ def main(argv: list[str] | None = None, prog: str = "specdec-serve") -> int:
 
         enable_shared_thread_pool(args.threads)  # a dedicated process: share one ORT thread pool
         gen = specdec_rt.load(bundle, provider=args.provider, draft_provider=args.draft_provider,
-                              threads=args.threads, max_context=args.max_context, shared_thread_pool=True)
+                              threads=args.threads, max_context=args.max_context, shared_thread_pool=True,
+                              max_batch=args.max_batch if args.max_batch and args.max_batch > 1 else None)
         config = config_from_args(args, bundle)
         app = create_app(gen, config)
     except USER_ERRORS as exc:
@@ -143,8 +157,9 @@ def main(argv: list[str] | None = None, prog: str = "specdec-serve") -> int:
     uv_config = uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log,
                                timeout_graceful_shutdown=args.drain_timeout, lifespan="on")
     server = draining_server_class()(uv_config, on_drain=app.state.api.scheduler.begin_drain)
-    print(f"specdec-rt serving {bundle} as '{config.model_name}' on http://{host}:{port} ({args.provider}); "
-          "OpenAI base URL: /v1", flush=True)
+    rows = app.state.api.scheduler.capacity
+    print(f"specdec-rt serving {bundle} as '{config.model_name}' on http://{host}:{port} ({args.provider}, "
+          f"{f'batches of up to {rows} rows' if rows > 1 else 'serial'}); OpenAI base URL: /v1", flush=True)
     server.run(sockets=[sock])
     return 0
 

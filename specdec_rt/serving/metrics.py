@@ -6,7 +6,7 @@ series carry a ``model_name`` label, as vLLM's do.
 
 | name | type | meaning |
 |---|---|---|
-| ``P:num_requests_running`` | gauge | rows generating now (1 at most with the serial engine) |
+| ``P:num_requests_running`` | gauge | rows generating now (the batch width; 1 at most with the serial scheduler) |
 | ``P:num_requests_waiting`` | gauge | requests in the queue |
 | ``P:http_requests_total{method,route,status}`` | counter | HTTP responses by status |
 | ``P:request_success_total{finished_reason}`` | counter | finished generations: stop, length, abort (client gone), deadline, error |

@@ -1,17 +1,20 @@
 """Scheduling generations onto an engine: a bounded queue in front of one :class:`Generator`.
 
-One ``Generator`` owns one KV cache per model, so its generations run one at a time. The
-:class:`SerialScheduler` keeps a bounded FIFO of waiting requests and one worker thread that runs
-them; request handlers (asyncio) submit a :class:`GenSpec` and read :class:`Event` objects from the
+Two schedulers share one interface: :class:`BatchScheduler` runs the requests as rows of one
+batched generation (continuous batching, up to ``max_batch`` rows; the default where the generator
+holds several sequences, i.e. the CPU provider) and :class:`SerialScheduler` runs one at a time
+(:func:`make_scheduler` picks). Both keep a bounded FIFO of waiting requests and one worker thread;
+request handlers (asyncio) submit a :class:`GenSpec` and read :class:`Event` objects from the
 returned :class:`Job`. The interface is small on purpose (``submit`` -> job, ``job.events()``,
-``job.cancel()``, ``queue_depth`` / ``running``, ``begin_drain`` / ``close``) so that a batched
-engine (continuous batching, several rows per target call) can replace the serial worker without
-touching the HTTP layer.
+``job.cancel()``, ``queue_depth`` / ``running`` / ``capacity``, ``begin_drain`` / ``close``), so
+the HTTP layer does not know which one runs.
 
-* Over capacity (``max_queue`` requests already waiting) ``submit`` raises :class:`QueueFull`.
+* Over capacity (``max_queue`` requests already waiting and no free row) ``submit`` raises
+  :class:`QueueFull`.
 * ``job.cancel()`` (a client disconnected) drops a waiting job from the queue, or stops a running
-  generation at its next step: the worker iterates ``Generator.stream(..., every_step=True)``, which
-  yields once per target call, and checks the flag between steps.
+  generation at its next step: the serial worker iterates ``Generator.stream(..., every_step=True)``,
+  which yields once per target call, the batch worker sees every row after every step; both check
+  the flag there.
 * A job's deadline is enforced by the worker between steps (the slot is freed) and by the
   reader while it waits (queued jobs time out too): the reader gets a ``deadline`` error event.
 * ``begin_drain()`` refuses new jobs (:class:`Draining`) and lets accepted ones finish;
@@ -64,7 +67,7 @@ class Event:
     code: str | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # identity: jobs are dict keys and removed from the queue by identity
 class Job:
     spec: GenSpec
     loop: asyncio.AbstractEventLoop
@@ -167,7 +170,7 @@ class SerialScheduler:
         with self._cond:
             if self._draining or self._stopped:
                 raise Draining("the server is shutting down and accepts no new requests")
-            if len(self._waiting) >= self.max_queue and not (self._running is None and not self._waiting):
+            if len(self._waiting) >= self.max_queue and self.running + len(self._waiting) >= self.capacity:
                 raise QueueFull(f"the server is at capacity ({self.capacity} running, {len(self._waiting)} "
                                 f"waiting, queue limit {self.max_queue}); retry later")
             job._on_cancel = self._drop
@@ -190,12 +193,15 @@ class SerialScheduler:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 with self._cond:
-                    left = list(self._waiting) + ([self._running] if self._running else [])
+                    left = list(self._waiting) + self._in_flight()
                 for job in left:
                     job.cancel()
                 self._thread.join(5)
 
     # -- worker ---------------------------------------------------------------------------------
+    def _in_flight(self) -> list[Job]:
+        return [self._running] if self._running is not None else []
+
     def _drop(self, job: Job, reason: str) -> None:
         with self._cond:
             try:
@@ -228,13 +234,15 @@ class SerialScheduler:
 
         metrics = self.metrics
         job.started = time.monotonic()
-        if job.cancelled:
-            job.post(Event("cancelled"))
-            return
-        if job.deadline is not None and job.started >= job.deadline:
-            job.post(deadline_error(job))
+        if job.deadline is not None and job.started >= job.deadline:  # first: the reader cancels a
+            job.post(deadline_error(job))  # job whose deadline passed
             if metrics is not None:
                 metrics.finished("deadline")
+            return
+        if job.cancelled:
+            job.post(Event("cancelled"))
+            if metrics is not None:
+                metrics.finished("abort")
             return
         if metrics is not None:
             metrics.queue_time(job.started - job.arrival)
@@ -274,3 +282,261 @@ class SerialScheduler:
         if metrics is not None:
             metrics.generation(job, result, outcome)
         job.post(outcome)
+
+
+# keyword arguments a batch row honours on its own; the group keys are shared by a whole batch
+ROW_KWARGS = frozenset({"max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "do_sample",
+                        "ignore_eos"})
+GROUP_DEFAULTS = {"num_draft_tokens": 4, "drafter": "model", "speculation": "chain"}
+
+
+@dataclass
+class _RowState:
+    job: Job
+    row: Any
+    result: Any
+    text: Any
+    last: float
+    closed: bool = False
+
+
+class BatchScheduler(SerialScheduler):
+    """Continuous batching: the running requests are the rows of one batched generation.
+
+    One worker thread runs :func:`~specdec_rt.runtime.speculative.run_batch` over a row source fed
+    by the queue: between two steps, waiting requests take free rows (up to ``max_batch``; their
+    prefill runs as their own calls), and finished, cancelled or timed-out rows leave. Every row
+    keeps its own sampling parameters, seed, stop strings and max_tokens; greedy rows (and sampled
+    rows with a fixed K) produce what a request alone produces.
+
+    A batch shares K, the drafter and chain speculation. Requests are taken in FIFO order and
+    grouped by those settings: while the head of the queue asks for the running batch's settings
+    it joins; when it asks for others, admission pauses until the batch has drained, then a batch
+    with the new settings starts. A request the batched loop cannot run at all (tree speculation,
+    or an argument rows do not take) runs alone through ``Generator.stream``, between batches.
+
+    ``step_delay`` (seconds, tests only) sleeps after every row's step to make runs observable.
+    """
+
+    def __init__(self, generator, max_batch: int, max_queue: int = 64, metrics=None,
+                 step_delay: float = 0.0) -> None:
+        super().__init__(generator, max_queue, metrics)
+        gen_max = getattr(generator, "max_batch", 1)
+        if not 1 <= max_batch <= gen_max:
+            raise ValueError(f"max_batch must be 1..{gen_max} (the generator's K/V caches hold {gen_max} sequences)")
+        self.max_batch = max_batch
+        self.step_delay = step_delay
+        self._rows: dict[Job, _RowState | None] = {}
+        self._groups: dict[tuple, tuple] = {}  # settings -> (k, policy, drafter), kept across batches
+        self._next_index = 0
+
+    @property
+    def running(self) -> int:
+        return len(self._rows) + (self._running is not None)
+
+    @property
+    def capacity(self) -> int:
+        return self.max_batch
+
+    def _in_flight(self) -> list[Job]:
+        return list(self._rows) + super()._in_flight()
+
+    @staticmethod
+    def group_key(spec: GenSpec) -> tuple | None:
+        """The batch settings of a request, or None when it must run alone."""
+        kw = spec.kwargs
+        if set(kw) - ROW_KWARGS - set(GROUP_DEFAULTS):
+            return None
+        opts = {key: kw.get(key, default) for key, default in GROUP_DEFAULTS.items()}
+        if opts["speculation"] != "chain":
+            return None
+        k = opts["num_draft_tokens"]
+        if isinstance(k, bool) or not (k == "auto" or isinstance(k, int)):
+            return None  # let the serial path report it
+        return (k, opts["drafter"])
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._stopped:
+                    self._cond.wait()
+                if not self._waiting:
+                    return  # stopped and drained
+                head = self._waiting[0]
+                key = self.group_key(head.spec)
+                if key is None:
+                    self._waiting.popleft()
+                    self._running = head
+            try:
+                if key is None:
+                    self._run(head)
+                else:
+                    self._run_group(key)
+            except BaseException:  # noqa: BLE001 - never let the worker die
+                log.error("worker failed outside a generation:\n%s", traceback.format_exc())
+            finally:
+                with self._cond:
+                    self._running = None
+
+    def _group(self, key: tuple) -> tuple:
+        if key not in self._groups:
+            self._groups[key] = self.generator._speculation(key[0], key[1], "chain", self.max_batch)
+        return self._groups[key]
+
+    def _source(self, key: tuple, states: dict):
+        from specdec_rt.runtime.speculative import WAIT
+
+        while True:
+            with self._cond:
+                while True:
+                    if self._waiting and self.group_key(self._waiting[0].spec) == key:
+                        job = self._waiting.popleft()
+                        self._rows[job] = None
+                        break
+                    if self._rows:
+                        job = None  # rows are decoding: ask again after the next step
+                        break
+                    if self._waiting or self._stopped:
+                        return  # other settings at the head, or stopping: this batch ends
+                    self._cond.wait()
+            if job is None:
+                yield WAIT
+                continue
+            row = self._admit(job, states, key)
+            if row is not None:
+                yield row
+
+    def _admit(self, job: Job, states: dict, key: tuple):
+        """A popped job as a row, or None when it ended before starting (posted)."""
+        import numpy as np
+
+        from specdec_rt.runtime.generator import GenerationResult, GenerationStats, TextAssembler
+        from specdec_rt.runtime.speculative import Row
+
+        gen, metrics = self.generator, self.metrics
+        job.started = time.monotonic()
+        result = GenerationResult("", [], GenerationStats())
+        outcome = None
+        if job.deadline is not None and job.started >= job.deadline:  # before cancelled: the reader
+            outcome = deadline_error(job)  # cancels a job whose deadline passed
+        elif job.cancelled:
+            outcome = Event("cancelled")
+        else:
+            if metrics is not None:
+                metrics.queue_time(job.started - job.arrival)
+            kw = job.spec.kwargs
+            try:
+                ids = gen._prompt_ids(job.spec.prompt_ids)
+                cfg = gen._row_config(kw.get("max_new_tokens", 128), kw.get("temperature"), kw.get("top_k"),
+                                      kw.get("top_p"), kw.get("do_sample"), kw.get("ignore_eos", False))
+            except USER_ERRORS as exc:
+                outcome = Event("error", status=400, message=str(exc), code="invalid_request")
+        if outcome is not None:
+            self._end(_RowState(job, None, result, None, job.started), outcome)
+            return None
+        k, _policy, d = self._group(key)
+        stats = result.stats
+        stats.drafter, stats.speculation, stats.num_draft_tokens = (None if d is None else d.name), "chain", key[0]
+        stats.prompt_tokens = len(ids)
+        result.prompt_token_ids = ids
+        cfg.num_draft_tokens = k
+        self._next_index += 1
+        row = Row(ids, cfg, np.random.default_rng(kw.get("seed")), stats, index=self._next_index)
+        stops = kw.get("stop")
+        stops = [stops] if isinstance(stops, str) else list(stops or [])
+        text = TextAssembler(gen.tokenizer, stops, () if cfg.ignore_eos else gen.eos_token_ids)
+        st = _RowState(job, row, result, text, job.started)
+        states[row.index] = st
+        with self._cond:
+            self._rows[job] = st
+        return row
+
+    def _end(self, st: _RowState, outcome: Event) -> None:
+        st.closed = True
+        if self.metrics is not None:
+            self.metrics.generation(st.job, st.result, outcome)
+        with self._cond:
+            self._rows.pop(st.job, None)
+        st.job.post(outcome)
+
+    def _run_group(self, key: tuple) -> None:
+        from specdec_rt.runtime.speculative import run_batch
+
+        gen, metrics = self.generator, self.metrics
+        try:
+            k, policy, d = self._group(key)
+        except USER_ERRORS as exc:  # e.g. drafter "model" without a draft model: refuse the head
+            with self._cond:
+                head = self._waiting[0] if self._waiting else None
+                same = head is not None and self.group_key(head.spec) == key
+                job = self._waiting.popleft() if same else None
+            if job is not None:
+                from specdec_rt.runtime.generator import GenerationResult, GenerationStats
+
+                self._end(_RowState(job, None, GenerationResult("", [], GenerationStats()), None, 0.0),
+                          Event("error", status=400, message=str(exc), code="invalid_request"))
+            return
+        states: dict[int, _RowState] = {}
+        try:
+            for row, new in run_batch(gen.target, d, self._source(key, states), self.max_batch, k, policy):
+                st = states[row.index]
+                if st.closed:
+                    continue
+                job, res, text = st.job, st.result, st.text
+                if row.error is not None:
+                    self._end(st, Event("error", status=400, message=str(row.error), code="invalid_request"))
+                    continue
+                if self.step_delay:
+                    time.sleep(self.step_delay)
+                now = time.monotonic()
+                res.token_ids.extend(new)
+                if job.first_token is None:
+                    job.first_token = now
+                    if metrics is not None:
+                        metrics.first_token(now - job.arrival)
+                elif new and metrics is not None:
+                    metrics.inter_token((now - st.last) / len(new), len(new))
+                st.last = now
+                piece = text.push(new) if new else ""
+                res.text += piece
+                job.post(Event("piece", text=piece, tokens=len(new)))
+                if text.stopped and not row.finished:
+                    row.finished = "stop"
+                outcome = None
+                if row.finished:
+                    tail = "" if text.stopped else text.close()
+                    if tail:
+                        res.text += tail
+                        job.post(Event("piece", text=tail, tokens=0))
+                    res.finish_reason = gen._finish_reason(text, len(row.prompt), len(res.token_ids),
+                                                           row.cfg.max_new_tokens)
+                    outcome = Event("done", result=res)
+                elif job.deadline is not None and now >= job.deadline:
+                    outcome = deadline_error(job)
+                elif job.cancelled:
+                    outcome = Event("cancelled")
+                if outcome is not None:
+                    row.finished = row.finished or "cancelled"  # leaves before the next step
+                    self._end(st, outcome)
+        except Exception as exc:  # noqa: BLE001 - report to every row of the batch, keep serving
+            log.error("batched generation failed:\n%s", traceback.format_exc())
+            for st in list(states.values()):
+                if not st.closed:
+                    self._end(st, Event("error", status=500, code="internal_error",
+                                        message=f"internal error during generation ({type(exc).__name__}); "
+                                                "see the server log"))
+        finally:
+            with self._cond:  # popped but never admitted (the loop failed in between)
+                left = [j for j, st in self._rows.items() if st is None]
+            for job in left:
+                self._rows.pop(job, None)
+                job.post(Event("error", status=500, code="internal_error", message="internal error; see the server log"))
+
+
+def make_scheduler(generator, max_batch: int | None, max_queue: int = 64, metrics=None):
+    """``max_batch`` None: batching where the generator holds several sequences (the CPU provider),
+    serial otherwise; 1: serial; N > 1: a batch of N rows (at most the generator's ``max_batch``)."""
+    n = getattr(generator, "max_batch", 1) if max_batch is None else max_batch
+    if n <= 1:
+        return SerialScheduler(generator, max_queue, metrics)
+    return BatchScheduler(generator, n, max_queue, metrics)
