@@ -23,14 +23,15 @@ def markdown(results: dict) -> str:
         f"{_f(results['target_only_tokens_per_second'], '{:.1f}')} tok/s; c (draft step / target step) = "
         f"{results['c']:.3f}; peak RSS {results['peak_rss_mb']:.0f} MB.",
         "",
-        "| configuration | tok/s | speedup | alpha | tokens/call | T(S)/T(1) | ideal | efficiency | loop overhead | identical |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| configuration | tok/s | speedup | alpha | tokens/call | T(S)/T(1) | ideal | efficiency | loop overhead | identical | look-ahead hits |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["rows"]:
         lines.append(
             f"| {r['name']} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f}x | {_f(r['alpha'])} | "
             f"{r['tokens_per_target_call']:.2f} | {r['t_ratio']:.2f} | {_f(r['ideal_speedup'])} | "
-            f"{_f(r['efficiency'])} | {r['loop_overhead_share']:.1%} | {_f(r['identical_to_target_only'])} |"
+            f"{_f(r['efficiency'])} | {r['loop_overhead_share']:.1%} | {_f(r['identical_to_target_only'])} | "
+            f"{_f(r.get('lookahead_hit_rate'))} |"
         )
     if results.get("peers"):
         lines += ["", "| peer | K | tok/s | alpha | our best / peer | ours at same K / peer | identical |",
@@ -82,7 +83,8 @@ def plots(results: dict, out: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(6, 4))
     for drafter in ("model", "prompt_lookup"):
         pts = [(r["k"], r["speedup"], r["alpha"], r["c"], r["ideal_speedup"]) for r in rows
-               if r["drafter"] == drafter and r["speculation"] == "chain" and isinstance(r["k"], int)]
+               if r["drafter"] == drafter and r["speculation"] == "chain" and isinstance(r["k"], int)
+               and not r.get("overlap")]
         if not pts:
             continue
         pts.sort()
@@ -95,6 +97,12 @@ def plots(results: dict, out: Path) -> list[str]:
             ks = list(range(1, 17))
             ax.plot(ks, [ideal_speedup(alpha, k, c, ratio[min(k, 15)]) for k in ks], "--", lw=1,
                     label=f"Leviathan i.i.d. (alpha={alpha:.2f} at K=1, c={c:.3f})")
+    pts = sorted((r["k"], r["speedup"], r["ideal_speedup"]) for r in rows
+                 if r.get("overlap") and isinstance(r["k"], int))
+    if pts:
+        line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], "s-", label="model overlapped: measured")
+        ax.plot([p[0] for p in pts], [p[2] for p in pts], "+:", color=line.get_color(),
+                label="model overlapped: ideal (hidden drafting free)")
     for r in rows:
         if r["k"] == "auto" or r["speculation"] == "tree":
             ax.axhline(r["speedup"], ls=":", lw=1, color="gray")

@@ -36,6 +36,7 @@ class BenchConfig:
     progress: bool = True
     compare_graphs: bool = False
     graphs_only: bool = False  # cost model and graph comparison, no generation runs (scale checks)
+    overlap: bool = False  # also run the model drafter's chains overlapped (drafting hidden behind verify)
 
 
 @dataclass
@@ -45,6 +46,7 @@ class RunSpec:
     k: int | str
     speculation: str = "chain"
     min_rows: int | None = None  # override the target's one-row padding (None: as probed)
+    overlap: bool = False  # on the overlapped generator (its own non-spinning target pool)
 
 
 def load_prompts(path: str | None) -> list[str]:
@@ -111,6 +113,9 @@ def _specs(cfg: BenchConfig, has_draft: bool, min_rows: int = 1) -> list[RunSpec
             specs.append(RunSpec(f"{drafter} K={k}", drafter, k))
         if cfg.auto:
             specs.append(RunSpec(f"{drafter} K=auto", drafter, "auto"))
+        if cfg.overlap and drafter == "model":  # prompt lookup drafts in microseconds: nothing to hide
+            for k in cfg.ks + (["auto"] if cfg.auto else []):
+                specs.append(RunSpec(f"{drafter} K={k} overlap", drafter, k, overlap=True))
         if cfg.tree and drafter == "model":
             for budget in cfg.tree_budgets:  # tree of N nodes vs chain K = N: equal verify width
                 if budget not in cfg.ks:
@@ -127,22 +132,28 @@ def run_bench(cfg: BenchConfig) -> dict:
     import specdec_rt
     from specdec_rt.runtime.policy import measure_engine
 
-    gen = specdec_rt.load(cfg.bundle, threads=cfg.threads, shared_thread_pool=True)
+    # overlapped runs need the target on its own (non-spinning) pool: that generator is made
+    # first, and then the others use per-session pools too (ONNX Runtime fixes the choice of a
+    # process-wide pool when its first session is created)
+    gen_overlap = specdec_rt.load(cfg.bundle, threads=cfg.threads, overlap=True) if cfg.overlap else None
+    gen = specdec_rt.load(cfg.bundle, threads=cfg.threads, shared_thread_pool=not cfg.overlap)
     prompts = [gen.tokenizer.encode(p) for p in cfg.prompts]
     limit = gen.max_length - cfg.max_new_tokens - 1
     prompts = [p[-limit:] for p in prompts]
     probed_rows = getattr(gen.target, "min_rows", 1)
     specs = [] if cfg.graphs_only else _specs(cfg, gen.draft_engine is not None, probed_rows)
 
-    def run(spec: RunSpec, ids: list[int], **kw) -> list[int]:
+    def run(spec: RunSpec, ids: list[int], **kw) -> tuple[list[int], object]:
+        g = gen_overlap if spec.overlap else gen
         if spec.min_rows is not None:
-            gen.target.min_rows = spec.min_rows
+            g.target.min_rows = spec.min_rows
         try:
-            return gen.generate_ids(ids, drafter=spec.drafter, num_draft_tokens=spec.k,
-                                    speculation=spec.speculation, **kw)
+            out = g.generate_ids(ids, drafter=spec.drafter, num_draft_tokens=spec.k,
+                                 speculation=spec.speculation, overlap=spec.overlap, **kw)
+            return out, g.last_stats
         finally:
             if spec.min_rows is not None:
-                gen.target.min_rows = probed_rows
+                g.target.min_rows = probed_rows
 
     # cost model: T(S) for S = 1..16 and the draft step, on a warm cache
     t_curve = measure_engine(gen.target, list(range(1, 17)), past=128, reps=7)
@@ -165,13 +176,13 @@ def run_bench(cfg: BenchConfig) -> dict:
         for pi, ids in enumerate(prompts):
             for spec in specs:
                 t0 = time.perf_counter()
-                out = run(spec, ids, seed=cfg.seed + pi, **kwargs)
+                out, stats = run(spec, ids, seed=cfg.seed + pi, **kwargs)
                 dt = time.perf_counter() - t0
                 a = acc[spec.name]
                 a["seconds"] += dt
                 a["tokens"] += len(out)
                 a["outputs"].setdefault(pi, out)
-                a["stats"].append(gen.last_stats)
+                a["stats"].append(stats)
                 if bar is not None:
                     bar.update(1)
     if bar is not None:
@@ -203,6 +214,9 @@ def run_bench(cfg: BenchConfig) -> dict:
         measured = speed_base["seconds"] / a["seconds"]
         # ideal: the measured tokens per call at zero orchestration cost
         ideal = tau / (draft_calls * step_c + t_ratio) if spec.drafter == "model" else tau / (step_c + t_ratio)
+        hit_rate = sum(s.lookahead_hits for s in stats) / max(1, calls) if spec.overlap else None
+        if spec.overlap:  # overlapped: only steps whose look-ahead missed wait for the draft
+            ideal = tau / ((1 - hit_rate) * (mean_s - 1) * step_c + t_ratio)
         if spec.drafter is None:
             ideal = 1.0
         pos_prop = np.zeros(16)
@@ -219,6 +233,7 @@ def run_bench(cfg: BenchConfig) -> dict:
             identical = all(a["outputs"][i] == base["outputs"][i] for i in base["outputs"])
         row = {
             "name": spec.name, "drafter": spec.drafter, "k": spec.k, "speculation": spec.speculation,
+            "overlap": spec.overlap, "lookahead_hit_rate": hit_rate,
             "tokens_per_second": tps, "speedup": measured, "alpha": alpha,
             "tokens_per_target_call": tau, "c": c if spec.drafter == "model" else step_c,
             "t_ratio": t_ratio, "ideal_speedup": ideal,
@@ -229,7 +244,7 @@ def run_bench(cfg: BenchConfig) -> dict:
             "per_position_acceptance": [float(x / y) if y else None for x, y in zip(pos_acc, pos_prop) if y],
             "identical_to_target_only": identical,
         }
-        if spec.speculation == "chain" and isinstance(spec.k, int) and spec.drafter == "model":
+        if spec.speculation == "chain" and isinstance(spec.k, int) and spec.drafter == "model" and not spec.overlap:
             row["ideal_speedup_leviathan"] = ideal_speedup(alpha, spec.k, c, float(t_curve[spec.k]) / t1)
         rows.append(row)
 
@@ -240,7 +255,8 @@ def run_bench(cfg: BenchConfig) -> dict:
         "models": {r: {k: m.get(k) for k in ("family", "num_parameters", "num_layers", "hidden_size", "quantization")}
                    for r, m in gen.bundle.manifest["models"].items()},
         "settings": {"max_new_tokens": cfg.max_new_tokens, "prompts": len(prompts), "repeats": cfg.repeats,
-                     "temperature": cfg.temperature, "threads": cfg.threads},
+                     "temperature": cfg.temperature, "threads": cfg.threads,
+                     "thread_pools": "per-session" if cfg.overlap else "process-wide (shared)"},
         "target_time_curve": {"S": list(range(1, 17)), "seconds": t_curve,
                               "ratio": [t / t1 for t in t_curve]},
         "draft_step_seconds": draft_step,

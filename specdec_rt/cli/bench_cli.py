@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tree-budgets", default="7,10,15",
                     help="tree node budgets; each also runs a chain of the same verify width")
     ap.add_argument("--no-auto", action="store_true", help="skip adaptive K")
+    ap.add_argument("--overlap", action="store_true",
+                    help="also run the model drafter's chains with drafting overlapped with verification "
+                         "(every model K and auto); all models then use per-session thread pools")
     ap.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
     ap.add_argument("--compare-graphs", action="store_true",
                     help="node count and per-call latency (S=1, S=5) vs onnxruntime-genai's graphs")
@@ -69,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             peers=_csv(args.peers), repeats=args.repeats, threads=args.threads, tree=not args.no_tree,
             auto=not args.no_auto, peer_cache=args.peer_cache, progress=not args.quiet,
             compare_graphs=args.compare_graphs, graphs_only=args.graphs_only, tree_budgets=[int(b) for b in _csv(args.tree_budgets)],
+            overlap=args.overlap,
         )
         results = run_bench(cfg)
         results["command"] = "specdec-bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))

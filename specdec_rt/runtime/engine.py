@@ -64,12 +64,14 @@ def _global_pool(threads: int) -> bool:
     return True
 
 
-def session_options(threads: int | None = None, shared_pool: bool = False) -> ort.SessionOptions:
+def session_options(threads: int | None = None, shared_pool: bool = False,
+                    spin: bool = True) -> ort.SessionOptions:
     """Sequential execution; ``threads`` intra-op threads (default: the cores, at most 8).
 
     With ``shared_pool`` (or once the process-wide pool exists) the session runs on the shared
     pool, which ``threads`` sizes only if it does not exist yet; otherwise each session gets its
-    own pool of ``threads``.
+    own pool of ``threads``, whose workers spin between parallel sections unless ``spin`` is
+    False (overlapped decoding: a spinning target worker takes the core the draft runs on).
     """
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -81,6 +83,8 @@ def session_options(threads: int | None = None, shared_pool: bool = False) -> or
     else:
         opts.intra_op_num_threads = n
         opts.inter_op_num_threads = 1
+        if not spin:
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return opts
 
 
@@ -209,7 +213,7 @@ class OrtEngine(EngineBase):
     def __init__(self, graph_path: str | os.PathLike, info: ModelInfo, max_len: int,
                  provider: str = "cpu", threads: int | None = None,
                  bundle_root: Path | None = None, io_binding: bool | None = None,
-                 shared_pool: bool = False, max_batch: int = 1) -> None:
+                 shared_pool: bool = False, max_batch: int = 1, spin: bool = True) -> None:
         self.info = info
         self.max_len = max_len
         self.provider = provider
@@ -220,7 +224,7 @@ class OrtEngine(EngineBase):
                 f"batched decoding (max_batch {max_batch}) runs on the CPU provider in this version; "
                 f"the {provider} provider decodes one sequence at a time (max_batch=1)")
         try:
-            self.session = ort.InferenceSession(str(graph_path), session_options(threads, shared_pool),
+            self.session = ort.InferenceSession(str(graph_path), session_options(threads, shared_pool, spin),
                                                 providers=providers)
         except Exception as exc:  # noqa: BLE001 - surface ORT load failures as one clear error
             raise RuntimeError(f"ONNX Runtime could not load {graph_path}: {exc}") from None
@@ -517,7 +521,8 @@ def tree_mask(past_len: int, region: np.ndarray, positions: np.ndarray,
 
 def make_engine(graph_path: str | os.PathLike, info: ModelInfo, max_len: int, provider: str = "cpu",
                 threads: int | None = None, bundle_root: Path | None = None,
-                io_binding: bool | None = None, shared_pool: bool = False, max_batch: int = 1):
+                io_binding: bool | None = None, shared_pool: bool = False, max_batch: int = 1,
+                spin: bool = True):
     """An engine for ``provider``: ONNX Runtime (cpu / cuda / tensorrt EP) or native TensorRT (trt).
 
     Every engine has the same interface (forward / forward_rows / commit / rollback / compact /
@@ -533,7 +538,7 @@ def make_engine(graph_path: str | os.PathLike, info: ModelInfo, max_len: int, pr
                 "the native TensorRT engines decode one sequence at a time (max_batch=1)")
         return TrtEngine(graph_path, info, max_len, bundle_root=bundle_root)
     return OrtEngine(graph_path, info, max_len, provider, threads, bundle_root, io_binding, shared_pool,
-                     max_batch)
+                     max_batch, spin)
 
 
 class RowInvarianceWarning(RuntimeWarning):

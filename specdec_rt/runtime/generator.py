@@ -18,6 +18,7 @@ from specdec_rt.runtime.engine import (ContextOverflowError, make_engine, probe_
                                       probe_row_invariance)
 from specdec_rt.runtime.gen_config import GenerationDefaults
 from specdec_rt.runtime.memory import peak_rss_bytes, reset_peak_rss
+from specdec_rt.runtime.overlap import VerifyThread
 from specdec_rt.runtime.sampling import SamplingParams, SamplingParamsError
 from specdec_rt.runtime.speculative import LoopConfig, Row, run_batch, run_chain
 from specdec_rt.runtime.stats import BatchStats, GenerationStats
@@ -133,13 +134,26 @@ class Generator:
                  threads: int | None = None, max_length: int | None = None,
                  io_binding: bool | None = None, draft_threads: int | None = 1,
                  shared_thread_pool: bool = False, probe_rows: bool = True,
-                 max_context: int | None = None, max_batch: int | None = None) -> None:
+                 max_context: int | None = None, max_batch: int | None = None,
+                 overlap: bool = False) -> None:
         self.bundle = bundle
+        self.overlap = bool(overlap)
+        self._verify_thread: VerifyThread | None = None
+        if self.overlap:
+            from specdec_rt.runtime import engine as _engine
+
+            if shared_thread_pool or _engine._GLOBAL_POOL is not None:
+                warnings.warn("overlap=True: the models run on ONNX Runtime's process-wide thread pool, "
+                              "so the draft and the target compete for its workers (measured slower than "
+                              "their own pools: load without shared_thread_pool in a process that never "
+                              "enabled it)", stacklevel=3)
+            shared_thread_pool = False
         self.max_length = resolve_context(bundle.max_context, max_context or max_length)
         self.max_batch = resolve_max_batch(max_batch, provider, draft_provider if bundle.draft else None)
         self.tokenizer = TextTokenizer(bundle.tokenizer_path)
         self.target = make_engine(bundle.graph_path("target"), bundle.target, self.max_length, provider,
-                                threads, bundle.root, io_binding, shared_thread_pool, self.max_batch)
+                                threads, bundle.root, io_binding, shared_thread_pool, self.max_batch,
+                                spin=not self.overlap)
         self.draft_engine = None
         if bundle.draft is not None:
             self.draft_engine = make_engine(bundle.graph_path("draft"), bundle.draft, self.max_length,
@@ -209,15 +223,30 @@ class Generator:
         return LoopConfig(max_new_tokens=int(max_new_tokens), params=params,
                           eos_token_ids=self.eos_token_ids, ignore_eos=bool(ignore_eos))
 
+    def _overlap(self, overlap: bool | None, speculation: str) -> VerifyThread | None:
+        """The verify thread for an overlapped generation (``None``: the generator's default)."""
+        if overlap is None:
+            overlap = self.overlap
+        if not isinstance(overlap, (bool, np.bool_)):
+            raise GenerationInputError(f"overlap must be True, False or None, got {overlap!r}")
+        if not overlap:
+            return None
+        if speculation != "chain":
+            raise GenerationInputError("overlap=True drafts ahead of a chain; it does not apply to "
+                                       "speculation='tree'")
+        if self._verify_thread is None:
+            self._verify_thread = VerifyThread()
+        return self._verify_thread
+
     def _speculation(self, num_draft_tokens: int | str, drafter: str | None, speculation: str,
-                     width: int = 1) -> tuple[int, object, Drafter | None]:
+                     width: int = 1, overlap: bool = False) -> tuple[int, object, Drafter | None]:
         """(fixed K, adaptive policy or None, drafter) for a generation of ``width`` sequences."""
         policy = None
         k = 0
         if num_draft_tokens == "auto" and speculation == "chain":
             from specdec_rt.runtime.policy import make_policy
 
-            policy = make_policy(self, drafter, width)
+            policy = make_policy(self, drafter, width, overlap)
         elif num_draft_tokens != "auto":
             if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, (int, np.integer)) \
                     or not 0 <= num_draft_tokens <= 64:
@@ -231,16 +260,19 @@ class Generator:
     def _loop(self, prompt_ids: list[int], max_new_tokens: int, temperature: float | None,
               top_k: int | None, top_p: float | None, seed: int | None, num_draft_tokens: int | str,
               drafter: str | None, speculation: str, do_sample: bool | None, ignore_eos: bool,
-              stats: GenerationStats, tree_shape=None) -> Iterator[list[int]]:
+              stats: GenerationStats, tree_shape=None, overlap: bool | None = None) -> Iterator[list[int]]:
         cfg = self._row_config(max_new_tokens, temperature, top_k, top_p, do_sample, ignore_eos)
-        cfg.num_draft_tokens, cfg.policy, d = self._speculation(num_draft_tokens, drafter, speculation)
+        verify_thread = self._overlap(overlap, speculation)
+        cfg.num_draft_tokens, cfg.policy, d = self._speculation(num_draft_tokens, drafter, speculation,
+                                                                overlap=verify_thread is not None)
+        stats.overlap = verify_thread is not None and d is not None
         stats.prompt_tokens = len(prompt_ids)
         stats.drafter = None if d is None else d.name
         stats.speculation = speculation
         stats.num_draft_tokens = num_draft_tokens
         rng = np.random.default_rng(seed)
         if speculation == "chain":
-            inner = run_chain(self.target, d, prompt_ids, cfg, rng, stats)
+            inner = run_chain(self.target, d, prompt_ids, cfg, rng, stats, verify_thread)
         elif speculation == "tree":
             from specdec_rt.runtime.tree import TreeShape, run_tree
 
@@ -266,7 +298,7 @@ class Generator:
                speculation: str = "chain", stop: Sequence[str] | str | None = None,
                do_sample: bool | None = None, ignore_eos: bool = False,
                result: GenerationResult | None = None, tree_shape=None,
-               every_step: bool = False) -> Iterator[str]:
+               every_step: bool = False, overlap: bool | None = None) -> Iterator[str]:
         """Yield text pieces as tokens are committed. Pass ``result`` to collect ids and stats.
 
         ``every_step=True`` also yields ``""`` for a step whose tokens add no visible text yet (a
@@ -277,6 +309,11 @@ class Generator:
         ``temperature`` / ``top_k`` / ``top_p`` / ``do_sample`` left as ``None`` take the bundle's
         defaults (:attr:`generation_defaults`, from its ``generation_config.json``; greedy when it
         has none). Explicit values win; ``temperature=0`` or ``do_sample=False`` is greedy.
+
+        ``overlap``: draft the next block while the target verifies this one (a worker thread;
+        :mod:`specdec_rt.runtime.overlap`); ``None`` takes the generator's default
+        (``load(..., overlap=...)``, which also sets the thread pools up for it). Output is the
+        same as without (greedy: token for token; sampled: the same distribution).
         """
         prompt_ids = self._prompt_ids(prompt)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
@@ -286,7 +323,7 @@ class Generator:
         text = TextAssembler(self.tokenizer, stops, () if ignore_eos else self.eos_token_ids)
         for new in self._loop(prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
                               num_draft_tokens, drafter, speculation, do_sample, ignore_eos, stats,
-                              tree_shape):
+                              tree_shape, overlap):
             res.token_ids.extend(new)
             piece = text.push(new)
             if piece or every_step:
@@ -311,18 +348,19 @@ class Generator:
                  num_draft_tokens: int | str = 4, drafter: str | None = "model",
                  speculation: str = "chain", stop: Sequence[str] | str | None = None,
                  do_sample: bool | None = None, ignore_eos: bool = False,
-                 tree_shape=None) -> GenerationResult:
+                 tree_shape=None, overlap: bool | None = None) -> GenerationResult:
         """Generate a completion of a plain prompt (text or token ids).
 
         Sampling arguments left as ``None`` take the bundle's defaults (greedy unless its
         ``generation_config.json`` sets ``do_sample``); ``temperature=0`` forces greedy. With
         ``speculation="tree"``, ``num_draft_tokens`` is the tree's node budget (default shape from
-        :meth:`TreeShape.for_budget`; pass ``tree_shape`` to override it).
+        :meth:`TreeShape.for_budget`; pass ``tree_shape`` to override it). ``overlap``: see
+        :meth:`stream`.
         """
         result = GenerationResult("", [], GenerationStats())
         for _ in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, num_draft_tokens,
                              drafter, speculation, stop, do_sample, ignore_eos, result=result,
-                             tree_shape=tree_shape):
+                             tree_shape=tree_shape, overlap=overlap):
             pass
         result.text = self.tokenizer.decode(result.token_ids) if not stop else result.text
         return result
@@ -333,7 +371,7 @@ class Generator:
         out: list[int] = []
         args = dict(max_new_tokens=128, temperature=None, top_k=None, top_p=None, seed=None,
                     num_draft_tokens=4, drafter="model", speculation="chain", do_sample=None,
-                    ignore_eos=False, tree_shape=None)
+                    ignore_eos=False, tree_shape=None, overlap=None)
         unknown = sorted(set(kwargs) - set(args))
         if unknown:
             raise TypeError(f"generate_ids() got unexpected keyword argument(s): {', '.join(unknown)}")
@@ -341,7 +379,7 @@ class Generator:
         for new in self._loop(self._prompt_ids(prompt_ids), args["max_new_tokens"], args["temperature"],
                               args["top_k"], args["top_p"], args["seed"], args["num_draft_tokens"],
                               args["drafter"], args["speculation"], args["do_sample"], args["ignore_eos"], stats,
-                              args["tree_shape"]):
+                              args["tree_shape"], args["overlap"]):
             out.extend(new)
         self.last_stats = stats
         return out
@@ -351,7 +389,7 @@ class Generator:
                      temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                      seed: int | None = None, num_draft_tokens: int | str = 4, drafter: str | None = "model",
                      stop: Sequence[str] | str | None = None, do_sample: bool | None = None,
-                     ignore_eos: bool = False) -> BatchStream:
+                     ignore_eos: bool = False, overlap: bool | None = None) -> BatchStream:
         """:meth:`generate_batch` as it runs: iterate the returned :class:`BatchStream` for
         ``(index, text piece)`` pairs; its ``results`` fill in as rows progress and
         ``cancel(index)`` ends one row (the others are not affected)."""
@@ -366,7 +404,8 @@ class Generator:
             raise GenerationInputError(
                 f"batch_size {width} exceeds this generator's maximum of {self.max_batch} sequences "
                 f"(load(..., max_batch={width}) on the CPU provider; GPU providers run one at a time)")
-        k, policy, d = self._speculation(num_draft_tokens, drafter, "chain", width)
+        verify_thread = self._overlap(overlap, "chain")
+        k, policy, d = self._speculation(num_draft_tokens, drafter, "chain", width, verify_thread is not None)
         defaults = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                         seed=seed, stop=stop, do_sample=do_sample, ignore_eos=ignore_eos)
         rows: list[Row | None] = []
@@ -374,7 +413,8 @@ class Generator:
         texts: list[TextAssembler | None] = []
         for i, item in enumerate(prompts):
             stats = GenerationStats(drafter=None if d is None else d.name, speculation="chain",
-                                    num_draft_tokens=num_draft_tokens)
+                                    num_draft_tokens=num_draft_tokens,
+                                    overlap=verify_thread is not None and d is not None)
             res = GenerationResult("", [], stats)
             results.append(res)
             try:
@@ -402,14 +442,14 @@ class Generator:
             stops = opts["stop"]
             stops = [stops] if isinstance(stops, str) else list(stops or [])
             texts.append(TextAssembler(self.tokenizer, stops, () if cfg.ignore_eos else self.eos_token_ids))
-        return BatchStream(self, rows, results, texts, width, k, policy, d)
+        return BatchStream(self, rows, results, texts, width, k, policy, d, verify_thread)
 
     def generate_batch(self, prompts: Sequence, max_new_tokens: int = 128, *, batch_size: int | None = None,
                        temperature: float | None = None, top_k: int | None = None,
                        top_p: float | None = None, seed: int | None = None,
                        num_draft_tokens: int | str = 4, drafter: str | None = "model",
                        stop: Sequence[str] | str | None = None, do_sample: bool | None = None,
-                       ignore_eos: bool = False) -> list[GenerationResult]:
+                       ignore_eos: bool = False, overlap: bool | None = None) -> list[GenerationResult]:
         """Complete many prompts with up to ``batch_size`` of them decoding at once (default:
         all of them, at most :attr:`max_batch`); returns one result per prompt, in order.
 
@@ -426,11 +466,13 @@ class Generator:
         overrides ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``,
         ``do_sample`` or ``ignore_eos`` for that row. A row whose input is bad (empty, too long
         for the context, bad sampling values) gets ``finish_reason="error"`` and the message in
-        ``error``; the others run. ``last_batch_stats`` holds the batch's totals.
+        ``error``; the others run. ``last_batch_stats`` holds the batch's totals. ``overlap``:
+        the draft looks ahead for every row while the target verifies (see :meth:`stream`).
         """
         run = self.stream_batch(prompts, max_new_tokens, batch_size=batch_size, temperature=temperature,
                                 top_k=top_k, top_p=top_p, seed=seed, num_draft_tokens=num_draft_tokens,
-                                drafter=drafter, stop=stop, do_sample=do_sample, ignore_eos=ignore_eos)
+                                drafter=drafter, stop=stop, do_sample=do_sample, ignore_eos=ignore_eos,
+                                overlap=overlap)
         for _ in run:
             pass
         for res, text in zip(run.results, run.texts):
@@ -494,7 +536,8 @@ class BatchStream:
     row's tokens; ``stats`` holds the batch's totals."""
 
     def __init__(self, gen: Generator, rows: list[Row | None], results: list[GenerationResult],
-                 texts: list[TextAssembler | None], width: int, k: int, policy, drafter: Drafter | None) -> None:
+                 texts: list[TextAssembler | None], width: int, k: int, policy, drafter: Drafter | None,
+                 verify_thread: VerifyThread | None = None) -> None:
         self.gen = gen
         self.rows = rows
         self.results = results
@@ -502,6 +545,7 @@ class BatchStream:
         self.stats = BatchStats(prompts=len(rows), max_rows=width)
         self.stats.errors = sum(r is None for r in rows)
         self._closed = [r is None for r in rows]
+        self._verify_thread = verify_thread
         self._events = self._run(width, k, policy, drafter)
 
     def __iter__(self) -> BatchStream:
@@ -544,7 +588,7 @@ class BatchStream:
         reset_peak_rss()
         queue = (r for r in self.rows if r is not None and not r.finished)
         try:
-            for row, new in run_batch(gen.target, drafter, queue, width, k, policy, stats):
+            for row, new in run_batch(gen.target, drafter, queue, width, k, policy, stats, self._verify_thread):
                 i = row.index
                 if self._closed[i]:
                     continue
@@ -572,7 +616,7 @@ def load(bundle: str | os.PathLike, provider: str = "cpu", draft_provider: str |
          verify_checksums: bool = True, io_binding: bool | None = None,
          draft_threads: int | None = 1, shared_thread_pool: bool = False,
          probe_rows: bool = True, max_context: int | None = None,
-         max_batch: int | None = None) -> Generator:
+         max_batch: int | None = None, overlap: bool = False) -> Generator:
     """Load a bundle. ``provider``: "cpu" | "cuda" | "tensorrt"; the draft may use another one.
 
     ``io_binding``: bind the KV buffers by pointer (default on GPUs; on CPU the default feeds
@@ -592,12 +636,16 @@ def load(bundle: str | os.PathLike, provider: str = "cpu", draft_provider: str |
     per call: :func:`specdec_rt.runtime.engine.probe_batch_invariance`).
     ``max_batch``: sequences :meth:`Generator.generate_batch` may run at once (default 8 on the
     CPU provider, 1 on GPU providers, where batched calls are not implemented yet).
+    ``overlap``: the default of every generation's ``overlap`` (draft the next block while the
+    target verifies this one, on a worker thread); it also gives the target its own thread pool
+    whose workers do not spin (a spinning worker takes the core the draft needs), and so should
+    not be combined with ``shared_thread_pool``.
     """
     b = load_bundle(bundle, verify_checksums=verify_checksums)
     return Generator(b, provider=provider, draft_provider=draft_provider, threads=threads,
                      max_length=max_length, io_binding=io_binding, draft_threads=draft_threads,
                      shared_thread_pool=shared_thread_pool, probe_rows=probe_rows,
-                     max_context=max_context, max_batch=max_batch)
+                     max_context=max_context, max_batch=max_batch, overlap=overlap)
 
 
 __all__ = ["load", "Generator", "GenerationResult", "GenerationStats", "BatchStats", "BatchStream",

@@ -16,6 +16,16 @@ while the draft's cost per step hardly changes, which is how the policy learns s
 wide batches. A second, cheaper rule works inside a step:
 the drafter stops early when the draft's own confidence (the product of its top
 probabilities) says the next token is not worth its cost.
+
+Overlapped decoding (:mod:`specdec_rt.runtime.overlap`) hides a step's drafting behind the
+previous verify call whenever the previous step's look-ahead survived, which happens with
+probability h(K) = a_1 ... a_{K+1} (all K accepted and the guess at the bonus position too), so
+
+    time(K) = (1 - h(K)) * K * c_draft(B) + T(B, K + 1)
+
+(T measured on the overlapped generator's own target session). A shorter block survives more
+often, so with a cheap draft the policy may pick a shorter K than without overlap, and with a
+costly, well-agreeing draft a longer one (more drafting to hide).
 """
 from __future__ import annotations
 
@@ -25,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specdec_rt.runtime.engine import OrtEngine, causal_mask
+from specdec_rt.runtime.overlap import hit_probability
 
 
 @dataclass
@@ -136,6 +147,7 @@ class AdaptivePolicy:
     # short and "auto" ran at 1.28x against 1.75x for the best fixed K.
     use_confidence_stop: bool = False
     last_k: int = 0
+    overlap: bool = False  # drafting hidden behind verification on look-ahead hits
     _idle: int = 0
     _tested: int = 0  # positions with at least one observation
     _step_times: dict[int, np.ndarray] = field(default_factory=dict)  # per batch width
@@ -145,16 +157,21 @@ class AdaptivePolicy:
             self.accept = [self.prior] * self.k_max
 
     def step_time(self, k: int, width: int = 1) -> float:
-        """One step of ``width`` sequences drafting ``k`` tokens each: k draft calls, one verify."""
-        return k * self.cost.draft(width) + self.cost.target(k + 1, width)
+        """One step of ``width`` sequences drafting ``k`` tokens each: k draft calls, one verify
+        (with overlap, the k draft calls only when the last look-ahead missed)."""
+        drafting = k * self.cost.draft(width)
+        if self.overlap:
+            drafting *= 1.0 - hit_probability(self.accept, k)
+        return drafting + self.cost.target(k + 1, width)
 
     def best_k(self, width: int = 1) -> int:
         """The K maximising expected tokens per second for a batch of ``width`` sequences (each
         sequence expects the same tokens per step, so the batch's rate is ``width`` times it)."""
         ks = np.arange(self.k_max + 1)
         tokens = 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(self.accept[: self.k_max]))])
-        times = self._step_times.get(width)
+        times = None if self.overlap else self._step_times.get(width)
         if times is None:  # costs are fixed once measured: tabulate them once per width
+            # (with overlap the step time depends on the acceptance estimates: every time)
             times = self._step_times[width] = np.array([self.step_time(int(k), width) for k in ks])
         return int(np.argmax(tokens / times))
 
@@ -201,7 +218,7 @@ class AdaptivePolicy:
         return k
 
 
-def make_policy(generator, drafter: str | None, max_width: int = 1) -> AdaptivePolicy:
+def make_policy(generator, drafter: str | None, max_width: int = 1, overlap: bool = False) -> AdaptivePolicy:
     """The generator's policy for this drafter, measured once and kept across generations.
 
     The cost model is measured once per generator for one sequence, and once per batch width
@@ -209,7 +226,7 @@ def make_policy(generator, drafter: str | None, max_width: int = 1) -> AdaptiveP
     uses the engines' caches).
     """
     cache = generator.__dict__.setdefault("_policies", {})
-    key = drafter or "none"
+    key = (drafter or "none", bool(overlap))
     draft = generator.draft_engine if drafter == "model" else None
     clock = generator.__dict__.get("measure_clock", time.perf_counter)
     cost = generator.__dict__.get("_cost_model")
@@ -221,7 +238,7 @@ def make_policy(generator, drafter: str | None, max_width: int = 1) -> AdaptiveP
             measure_width(cost, generator.target, draft, width, clock=clock)
     if drafter != "model":  # prompt lookup: drafting costs (next to) nothing
         cost = CostModel(cost.target_times, 0.0, {b: (t, 0.0) for b, (t, _) in cost.widths.items()})
-    policy = cache.setdefault(key, AdaptivePolicy(cost))
+    policy = cache.setdefault(key, AdaptivePolicy(cost, overlap=bool(overlap)))
     policy.cost = cost  # possibly with more widths than when the policy was made
     policy._step_times = {}
     return policy

@@ -71,7 +71,10 @@ def accept_chain_sampled(p: np.ndarray, q: np.ndarray | None, drafts: list[int],
     p: target probabilities [k+1, V]; q: draft probabilities [k, V] (None: the drafter is
     deterministic, i.e. q is a point mass on each draft token). Returns (accepted count, next
     token): the next token is drawn from the residual max(0, p - q) at the first rejection, or
-    from p[k] when every draft token is accepted.
+    from p[k] when every draft token is accepted. ``drafts`` may hold one token more than p has
+    rows to verify after (k + 1 drafts against p [k+1, V]: the overlapped loop's guess at the
+    bonus position); if all are accepted there is no row left to draw from and the next token
+    is -1 (none: the last accepted draft ends the step).
     """
     for i, d in enumerate(drafts):
         pi = p[i]
@@ -85,6 +88,8 @@ def accept_chain_sampled(p: np.ndarray, q: np.ndarray | None, drafts: list[int],
             residual = np.maximum(pi - q[i], 0.0)
         total = residual.sum()
         return i, sample(residual if total > 0 else pi, rng)
+    if len(drafts) == len(p):
+        return len(drafts), -1
     return len(drafts), sample(p[len(drafts)], rng)
 
 

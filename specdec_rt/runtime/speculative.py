@@ -13,6 +13,11 @@ sampled output follows the target's processed distribution exactly. A row's logi
 bit the same in a batch as alone (:func:`specdec_rt.runtime.engine.probe_batch_invariance`), and
 each row draws from its own generator in the same order as alone, so with a fixed K a row's
 output does not depend on the other rows at all.
+
+With ``overlap`` (:mod:`specdec_rt.runtime.overlap`) the verify call runs on a worker thread
+while the draft goes on past the block being verified (the *look-ahead*, kept in ``Row.ahead``);
+the next step's block then starts with what the look-ahead already drafted, if the target kept
+it. Without overlap the same code runs with an empty look-ahead.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import numpy as np
 from specdec_rt.errors import ContextOverflowError, GenerationInputError
 from specdec_rt.runtime.drafters import Drafter
 from specdec_rt.runtime.engine import OrtEngine
+from specdec_rt.runtime.overlap import VerifyThread, lookahead_length
 from specdec_rt.runtime.sampling import (SamplingParams, accept_chain_greedy, accept_chain_sampled,
                                          probabilities, sample)
 from specdec_rt.runtime.stats import BatchStats, GenerationStats
@@ -71,10 +77,47 @@ class Row:
     finished: str | None = None
     error: Exception | None = None
     clock: StepClock | None = None
+    # drafted past the committed tokens, not verified yet: this step's block and, with overlap,
+    # the look-ahead beyond it; ahead_q: their draft probabilities as blocks of rows [n, V]
+    # (sampled rows of a model drafter; empty for deterministic proposals)
+    ahead: list[int] = field(default_factory=list)
+    ahead_q: list[np.ndarray] = field(default_factory=list)
 
     @property
     def generated(self) -> int:
         return self.stats.new_tokens
+
+    def q_rows(self, n: int) -> np.ndarray | None:
+        """Draft probabilities of the first ``n`` tokens ahead ([n, V]), or None if deterministic."""
+        if not self.ahead_q or n == 0:
+            return None
+        first = self.ahead_q[0]
+        return first[:n] if len(first) >= n else np.concatenate(self.ahead_q)[:n]
+
+    def drop_ahead(self, n: int) -> None:
+        """Forget the first ``n`` tokens ahead (committed now); ``n`` >= len(ahead) clears it."""
+        if n >= len(self.ahead):
+            self.ahead, self.ahead_q = [], []
+            return
+        del self.ahead[:n]
+        while n and self.ahead_q:
+            first = self.ahead_q[0]
+            if len(first) > n:
+                self.ahead_q[0] = first[n:]
+                break
+            n -= len(first)
+            self.ahead_q.pop(0)
+
+
+@dataclass
+class _Beyond:
+    """A row as a drafter sees it when drafting past its committed tokens and the tokens
+    already ahead of them (the drafter reads ``tokens``, ``cfg``, ``rng`` and ``seq``)."""
+
+    tokens: list[int]
+    cfg: LoopConfig
+    rng: np.random.Generator
+    seq: int
 
 
 def clip_new_tokens(new: list[int], budget: int, eos: set[int]) -> list[int]:
@@ -123,11 +166,13 @@ class StepClock:
     def _model_time(self) -> float:
         return sum(e.model_time for e in self.engines)
 
-    def commit(self, stats: GenerationStats, tokens: list[int], new: list[int], drafter, seq: int = 0) -> None:
-        """Append one step's tokens, let the drafter catch up, refresh the stats."""
+    def commit(self, stats: GenerationStats, tokens: list[int], new: list[int], drafter, seq: int = 0,
+               ahead: list[int] | None = None) -> None:
+        """Append one step's tokens, let the drafter catch up (keeping what it drafted ``ahead``
+        of them), refresh the stats."""
         tokens.extend(new)
         if drafter is not None:
-            drafter.sync(tokens, seq)
+            drafter.sync(tokens + ahead if ahead else tokens, seq)
         stats.new_tokens += len(new)
         stats.time_total = time.perf_counter() - self.t_start
         stats.time_in_models = self._model_time() - self.model_t0
@@ -145,8 +190,59 @@ def _admit(target: OrtEngine, drafter: Drafter | None, row: Row) -> list[int]:
     return [row.tokens[-1]]
 
 
+def _extend(drafter: Drafter, rows: list[Row], counts: list[int]) -> None:
+    """Draft ``counts[i]`` more tokens past ``rows[i]``'s committed and ahead tokens."""
+    views = [r if not r.ahead else _Beyond(r.tokens + r.ahead, r.cfg, r.rng, r.seq) for r in rows]
+    for r, (d, q) in zip(rows, drafter.propose(views, counts)):
+        r.ahead.extend(d)
+        if q is not None:
+            r.ahead_q.append(q)
+
+
+def _draft(drafter: Drafter, rows: list[Row], ks: list[int]) -> list[tuple[list[int], np.ndarray | None]]:
+    """Each row's block of up to ``ks[i]`` tokens: what the last look-ahead drafted, then more."""
+    need = [(r, k - len(r.ahead)) for r, k in zip(rows, ks) if k > len(r.ahead)]
+    if need:
+        _extend(drafter, [r for r, _ in need], [n for _, n in need])
+    return [(r.ahead[:k], r.q_rows(min(k, len(r.ahead)))) for r, k in zip(rows, ks)]
+
+
+def _look_ahead(drafter: Drafter, rows: list[Row], ks: list[int], max_len: int) -> None:
+    """While the target verifies: draft every row on to its guess for the target's next token
+    and a whole next block (:func:`lookahead_length`), within its budget and the context."""
+    need = []
+    for r, k in zip(rows, ks):
+        room = min(lookahead_length(k), r.cfg.max_new_tokens - r.generated, max_len - len(r.tokens) - 1)
+        if room > len(r.ahead):
+            need.append((r, room - len(r.ahead)))
+    if need:
+        _extend(drafter, [r for r, _ in need], [n for _, n in need])
+
+
+def _accept(r: Row, drafts: list[int], q: np.ndarray | None, x: np.ndarray,
+            guess: int | None) -> tuple[int, int, bool]:
+    """(drafts accepted, next token, look-ahead kept) for one row from its verify logits ``x``.
+
+    ``guess``: the look-ahead's token after the block (overlap), tested as one more draft at
+    the bonus position; if the target takes it, the look-ahead after it is still valid.
+    """
+    params, n = r.cfg.params, len(drafts)
+    if not drafts and guess is None:  # plain decode step (target-only, or nothing worth drafting)
+        return 0, _pick(x[0], params, r.rng), False
+    if params.greedy:
+        n_acc, nxt = accept_chain_greedy(np.argmax(x, axis=-1), drafts)
+        return n_acc, nxt, guess is not None and n_acc == n and nxt == guess
+    if guess is None:
+        n_acc, nxt = accept_chain_sampled(probabilities(x, params), q, drafts, r.rng)
+        return n_acc, nxt, False
+    n_acc, nxt = accept_chain_sampled(probabilities(x, params), r.q_rows(n + 1), drafts + [guess], r.rng)
+    if n_acc == n + 1:  # the guess passed the accept test: it is the step's last token
+        return n, guess, True
+    return n_acc, nxt, False
+
+
 def _step(target: OrtEngine, drafter: Drafter | None, rows: list[Row], k: int,
-          policy: DraftLengthPolicy | None) -> list[list[int]]:
+          policy: DraftLengthPolicy | None, overlap: VerifyThread | None = None) -> list[list[int]]:
     """One draft -> verify -> accept -> commit step over every row; returns each row's new tokens."""
     # draft: up to k tokens per row, fewer where its budget or the context ends
     ks = [max(0, min(k, r.cfg.max_new_tokens - r.generated - 1, target.max_len - target.lengths[r.seq] - 1))
@@ -154,25 +250,34 @@ def _step(target: OrtEngine, drafter: Drafter | None, rows: list[Row], k: int,
     proposals: list[tuple[list[int], np.ndarray | None]] = [([], None)] * len(rows)
     if drafter is not None and any(ks):
         t0 = time.perf_counter()
-        proposals = drafter.propose(rows, ks)
+        proposals = _draft(drafter, rows, ks)
         for r in rows:
             r.stats.time_draft += time.perf_counter() - t0
 
     # verify: [last committed token, drafts...] of every row in one target call
     t0 = time.perf_counter()
     ids = [np.asarray([r.tokens[-1]] + drafts, dtype=np.int64) for r, (drafts, _) in zip(rows, proposals)]
-    logits = target.forward_rows([r.seq for r in rows], ids)  # causal, at each row's own length
+    seqs = [r.seq for r in rows]
+    if overlap is None or drafter is None:
+        logits = target.forward_rows(seqs, ids)  # causal, at each row's own length
+    else:  # the target verifies on the worker thread while the draft looks ahead on this one
+        verifying = overlap.submit(target.forward_rows, seqs, ids)
+        t1 = time.perf_counter()
+        try:
+            _look_ahead(drafter, rows, ks, target.max_len)
+        finally:
+            logits = verifying.result()
+        for r in rows:
+            r.stats.time_lookahead += time.perf_counter() - t1
 
     # accept and commit, row by row
     out = []
     for r, (drafts, q), x in zip(rows, proposals, logits):
-        params, stats = r.cfg.params, r.stats
-        if not drafts:  # plain decode step (target-only, or nothing worth drafting)
-            n_acc, nxt = 0, _pick(x[0], params, r.rng)
-        elif params.greedy:
-            n_acc, nxt = accept_chain_greedy(np.argmax(x, axis=-1), drafts)
-        else:
-            n_acc, nxt = accept_chain_sampled(probabilities(x, params), q, drafts, r.rng)
+        stats = r.stats
+        guess = r.ahead[len(drafts)] if overlap is not None and len(r.ahead) > len(drafts) else None
+        n_acc, nxt, kept = _accept(r, drafts, q, x, guess)
+        r.drop_ahead(len(drafts) + 1 if kept else len(r.ahead))
+        stats.lookahead_hits += kept
         target.commit(n_acc + 1, r.seq)
         stats.time_verify += time.perf_counter() - t0
         stats.target_calls += 1
@@ -183,7 +288,9 @@ def _step(target: OrtEngine, drafter: Drafter | None, rows: list[Row], k: int,
         stats.draft_lengths.append(len(drafts))
         eos = _eos(r.cfg)
         new = clip_new_tokens(drafts[:n_acc] + [nxt], r.cfg.max_new_tokens - r.generated, eos)
-        r.clock.commit(stats, r.tokens, new, drafter, r.seq)
+        if len(new) <= n_acc:  # cut at the budget or an EOS: the row ends, nothing lies ahead
+            r.drop_ahead(len(r.ahead))
+        r.clock.commit(stats, r.tokens, new, drafter, r.seq, r.ahead)
         if new[-1] in eos:
             r.finished = "eos"
         elif r.generated >= r.cfg.max_new_tokens:
@@ -196,7 +303,8 @@ def _step(target: OrtEngine, drafter: Drafter | None, rows: list[Row], k: int,
 
 def run_batch(target: OrtEngine, drafter: Drafter | None, rows: Iterable[Row], max_rows: int = 1,
               num_draft_tokens: int = 4, policy: DraftLengthPolicy | None = None,
-              batch_stats: BatchStats | None = None) -> Iterator[tuple[Row, list[int]]]:
+              batch_stats: BatchStats | None = None,
+              overlap: VerifyThread | None = None) -> Iterator[tuple[Row, list[int]]]:
     """Decode ``rows`` with at most ``max_rows`` in flight; yield (row, newly committed ids),
     one pair per row per target call it took part in (its prefill first).
 
@@ -205,6 +313,7 @@ def run_batch(target: OrtEngine, drafter: Drafter | None, rows: Iterable[Row], m
     fails (e.g. its prompt does not fit) gets ``error`` and ``finished="error"`` and the others go
     on. The consumer may set ``row.finished`` (stop string, cancellation) after any yield: the
     row leaves before the next step. K is ``policy.choose(width)`` per step, else fixed.
+    ``overlap``: verify on that thread while the draft looks ahead (:mod:`~specdec_rt.runtime.overlap`).
     """
     waiting = iter(rows)
     exhausted = False
@@ -238,7 +347,7 @@ def run_batch(target: OrtEngine, drafter: Drafter | None, rows: Iterable[Row], m
             batch_stats.steps += 1
             batch_stats.row_steps += len(active)
             batch_stats.ks.append(k)
-        for row, new in zip(active, _step(target, drafter, active, k, policy)):
+        for row, new in zip(active, _step(target, drafter, active, k, policy, overlap)):
             yield row, new
         active = _leave(active, free)
 
@@ -253,11 +362,12 @@ def _leave(active: list[Row], free: list[int]) -> list[Row]:
 
 
 def run_chain(target: OrtEngine, drafter: Drafter | None, prompt: list[int], cfg: LoopConfig,
-              rng: np.random.Generator, stats: GenerationStats) -> Iterator[list[int]]:
+              rng: np.random.Generator, stats: GenerationStats,
+              overlap: VerifyThread | None = None) -> Iterator[list[int]]:
     """One sequence: a batch of one row. Yield lists of newly committed token ids, one list per
     target call."""
     row = Row(prompt, cfg, rng, stats)
-    for _, new in run_batch(target, drafter, [row], 1, cfg.num_draft_tokens, cfg.policy):
+    for _, new in run_batch(target, drafter, [row], 1, cfg.num_draft_tokens, cfg.policy, overlap=overlap):
         if row.error is not None:
             raise row.error
         yield new

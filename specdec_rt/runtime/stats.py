@@ -16,7 +16,10 @@ class GenerationStats:
     per_position_accepted: list[int] = field(default_factory=list)
     time_prefill: float = 0.0
     time_draft: float = 0.0
-    time_verify: float = 0.0
+    time_verify: float = 0.0  # wall time of verify calls (with overlap: the look-ahead runs inside it)
+    time_lookahead: float = 0.0  # overlap: drafting done while the target verified
+    lookahead_hits: int = 0  # overlap: steps whose block the previous step's look-ahead drafted
+    overlap: bool = False
     time_total: float = 0.0
     time_in_models: float = 0.0  # inside ONNX Runtime (draft + target), prefill excluded
     drafter: str | None = None
