@@ -91,12 +91,14 @@ def test_stop_and_budget_with_a_look_ahead_in_flight(overlap_gen):
 
 def test_overlap_arguments(overlap_gen, tiny_gen):
     with pytest.raises(GenerationInputError, match="tree"):
-        overlap_gen.generate(PROMPTS[0], max_new_tokens=4, speculation="tree")
+        overlap_gen.generate(PROMPTS[0], max_new_tokens=4, speculation="tree", overlap=True)
     with pytest.raises(GenerationInputError, match="overlap must be"):
         overlap_gen.generate(PROMPTS[0], max_new_tokens=4, overlap="yes")
     # a generator loaded without overlap can still overlap a generation, and vice versa
     assert tiny_gen.generate(PROMPTS[0], max_new_tokens=8, overlap=True, temperature=0).stats.overlap
     assert not overlap_gen.generate(PROMPTS[0], max_new_tokens=8, overlap=False).stats.overlap
+    # the generator's default applies to chains only: a tree request on it just runs
+    assert overlap_gen.generate(PROMPTS[0], max_new_tokens=8, speculation="tree", num_draft_tokens=5).token_ids
     # no drafter: nothing to overlap (and nothing breaks)
     assert not overlap_gen.generate(PROMPTS[0], max_new_tokens=8, drafter=None).stats.overlap
 

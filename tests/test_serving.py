@@ -51,7 +51,8 @@ SCHEDULERS = ["serial", "batch"]
 
 
 @contextlib.contextmanager
-def serve(bundle, step_delay: float | None = None, scheduler: str = "serial", max_batch: int = 4, **config):
+def serve(bundle, step_delay: float | None = None, scheduler: str = "serial", max_batch: int = 4,
+          overlap: bool = False, **config):
     """``create_app`` on its own generator, uvicorn in a thread; yields (base URL, app).
     ``scheduler``: "serial" (SerialScheduler) or "batch" (BatchScheduler of ``max_batch`` rows)."""
     import uvicorn
@@ -60,7 +61,7 @@ def serve(bundle, step_delay: float | None = None, scheduler: str = "serial", ma
     from specdec_rt.serving import ServerConfig, create_app
     from specdec_rt.serving.scheduler import BatchScheduler
 
-    gen = specdec_rt.load(bundle, threads=1)
+    gen = specdec_rt.load(bundle, threads=1, overlap=overlap)
     cfg = ServerConfig(**{"model_name": "tiny", **config})
     sched = None
     if scheduler == "batch":
@@ -141,6 +142,23 @@ def test_completion_equals_library(server, tiny_gen):
     ids = tiny_gen.tokenizer.encode(PROMPTS[0])  # a prompt as token ids
     assert c.completions.create(model="tiny", prompt=ids, max_tokens=16, temperature=0).choices[0].text == \
         tiny_gen.generate(ids, max_new_tokens=16, temperature=0).text
+
+
+@pytest.mark.parametrize("sched", SCHEDULERS)
+def test_overlapped_server_equals_library(tiny_pair, tiny_gen, sched):
+    """specdec-serve --overlap: concurrent requests (rows of one batch on the batch scheduler)
+    get exactly the library's non-overlapped completions."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with serve(tiny_pair["bundle"], scheduler=sched, overlap=True) as (url, app):
+        c = client(url)
+
+        def one(prompt):
+            return c.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0).choices[0].text
+
+        with ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(one, PROMPTS))
+    assert texts == [tiny_gen.generate(p, max_new_tokens=24, temperature=0, overlap=False).text for p in PROMPTS]
 
 
 def test_completion_streamed(server, tiny_gen):

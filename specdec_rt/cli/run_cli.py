@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-size", type=int, default=None,
                     help="with --batch-file: prompts decoding at once (default: all of them, at most 8); "
                          "finished rows are replaced by waiting prompts")
+    ap.add_argument("--overlap", action="store_true",
+                    help="draft the next block while the target verifies this one (two threads; the models "
+                         "get their own thread pools instead of one shared pool); same output")
     ap.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     ap.add_argument("--stream", action="store_true", help="print text as it is committed")
     ap.add_argument("--chat", action="store_true",
@@ -67,8 +70,8 @@ def _run(args) -> int:
         print("specdec-run: --batch-file excludes --prompt, --prompt-file, --chat and --stream", file=sys.stderr)
         return 2
     gen = specdec_rt.load(args.bundle, provider=args.provider, draft_provider=args.draft_provider,
-                          threads=args.threads, shared_thread_pool=True, max_context=args.max_context,
-                          max_batch=args.batch_size)
+                          threads=args.threads, shared_thread_pool=not args.overlap,
+                          max_context=args.max_context, max_batch=args.batch_size, overlap=args.overlap)
     kwargs = generation_kwargs(args)
     if args.batch_file:
         return _batch(gen, args, kwargs)
@@ -184,6 +187,8 @@ def _print_stats(stats, stream) -> None:
             f"{stats.target_calls} target calls, {stats.tokens_per_target_call:.2f} tokens/call")
     if stats.proposed:
         line += f", acceptance {stats.acceptance_rate:.1%}"
+    if stats.overlap and stats.target_calls:
+        line += f", look-ahead kept {stats.lookahead_hits / stats.target_calls:.0%} of steps"
     if stats.peak_rss_bytes:
         line += f", peak RSS {stats.peak_rss_bytes / 2**20:.0f} MiB"
     print(line + "]", file=stream)

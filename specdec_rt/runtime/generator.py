@@ -225,8 +225,8 @@ class Generator:
 
     def _overlap(self, overlap: bool | None, speculation: str) -> VerifyThread | None:
         """The verify thread for an overlapped generation (``None``: the generator's default)."""
-        if overlap is None:
-            overlap = self.overlap
+        if overlap is None:  # the generator's default applies to chains (trees are not overlapped)
+            overlap = self.overlap and speculation == "chain"
         if not isinstance(overlap, (bool, np.bool_)):
             raise GenerationInputError(f"overlap must be True, False or None, got {overlap!r}")
         if not overlap:

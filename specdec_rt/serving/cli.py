@@ -82,6 +82,8 @@ def build_parser(prog: str = "specdec-serve") -> argparse.ArgumentParser:
     g.add_argument("--drafter", default="auto", choices=("auto", "model", "prompt_lookup", "none"),
                    help="auto: the draft model when the bundle has one, else none")
     g.add_argument("--speculation", default="chain", choices=("chain", "tree"))
+    g.add_argument("--overlap", action="store_true", help="draft the next block while the target verifies "
+                   "(chains; the models get their own thread pools instead of one shared pool); same output")
     g = ap.add_argument_group("limits")
     g.add_argument("--max-batch", type=_positive, default=None, help="requests decoding at once as rows of one "
                    "batched generation (continuous batching); 1: one at a time (serial). Default: 8 on the CPU "
@@ -136,9 +138,11 @@ def main(argv: list[str] | None = None, prog: str = "specdec-serve") -> int:
         import specdec_rt
         from specdec_rt.runtime.engine import enable_shared_thread_pool
 
-        enable_shared_thread_pool(args.threads)  # a dedicated process: share one ORT thread pool
+        if not args.overlap:  # overlapped decoding wants the models on their own pools
+            enable_shared_thread_pool(args.threads)  # a dedicated process: share one ORT thread pool
         gen = specdec_rt.load(bundle, provider=args.provider, draft_provider=args.draft_provider,
-                              threads=args.threads, max_context=args.max_context, shared_thread_pool=True,
+                              threads=args.threads, max_context=args.max_context,
+                              shared_thread_pool=not args.overlap, overlap=args.overlap,
                               max_batch=args.max_batch if args.max_batch and args.max_batch > 1 else None)
         config = config_from_args(args, bundle)
         app = create_app(gen, config)

@@ -380,7 +380,8 @@ class BatchScheduler(SerialScheduler):
 
     def _group(self, key: tuple) -> tuple:
         if key not in self._groups:
-            self._groups[key] = self.generator._speculation(key[0], key[1], "chain", self.max_batch)
+            self._groups[key] = self.generator._speculation(key[0], key[1], "chain", self.max_batch,
+                                                                     self.generator.overlap)
         return self._groups[key]
 
     def _source(self, key: tuple, states: dict):
@@ -478,7 +479,9 @@ class BatchScheduler(SerialScheduler):
             return
         states: dict[int, _RowState] = {}
         try:
-            for row, new in run_batch(gen.target, d, self._source(key, states), self.max_batch, k, policy):
+            overlap = gen._overlap(None, "chain")  # the generator's default (specdec-serve --overlap)
+            for row, new in run_batch(gen.target, d, self._source(key, states), self.max_batch, k, policy,
+                                      overlap=overlap):
                 st = states[row.index]
                 if st.closed:
                     continue
