@@ -22,18 +22,8 @@ def _policy(target_times, a, b, draft_rows=DRAFT_ROWS):
 
 def _rate(pol, tpl) -> float:
     """Expected tokens per second of a template under the policy's own model."""
-    a, b = pol.accept, pol.second
-    value = [1.0]
-    for i in range(1, tpl.size):
-        par, rank, d = tpl.parents[i], tpl.ranks[i], int(tpl.depths[i])
-        p = a[d - 1] if rank == 0 else (1 - a[d - 1]) * b[d - 1] * (1 - b[d - 1]) ** (rank - 1)
-        value.append(value[par] * p)
-    widths = {}
-    for u in range(tpl.size):
-        if tpl.children[u]:
-            widths[int(tpl.depths[u])] = widths.get(int(tpl.depths[u]), 0) + 1
-    time = sum(pol.draft_call(w) for w in widths.values()) + pol.cost.target(tpl.size)
-    return sum(value) / time
+    tokens, seconds = pol.expected(tpl)
+    return tokens / seconds
 
 
 def test_template_structure():

@@ -36,6 +36,7 @@ class BenchConfig:
     progress: bool = True
     compare_graphs: bool = False
     graphs_only: bool = False  # cost model and graph comparison, no generation runs (scale checks)
+    clock: str = "wall"  # "cpu": this process's CPU time (single-threaded runs on a shared machine)
 
 
 @dataclass
@@ -112,6 +113,8 @@ def _specs(cfg: BenchConfig, has_draft: bool, min_rows: int = 1) -> list[RunSpec
         if cfg.auto:
             specs.append(RunSpec(f"{drafter} K=auto", drafter, "auto"))
         if cfg.tree and drafter == "model":
+            if cfg.auto:  # the shape policy: its own choice of budget, depth and width per step
+                specs.append(RunSpec("model tree auto", drafter, "auto", "tree"))
             for budget in cfg.tree_budgets:  # tree of N nodes vs chain K = N: equal verify width
                 if budget not in cfg.ks:
                     specs.append(RunSpec(f"{drafter} K={budget}", drafter, budget))
@@ -127,7 +130,15 @@ def run_bench(cfg: BenchConfig) -> dict:
     import specdec_rt
     from specdec_rt.runtime.policy import measure_engine
 
+    from specdec_rt.errors import GenerationInputError
+
+    if cfg.clock not in ("wall", "cpu"):
+        raise GenerationInputError(f"clock must be 'wall' or 'cpu', not {cfg.clock!r}")
+    if cfg.clock == "cpu" and cfg.threads != 1:
+        raise GenerationInputError("--clock cpu measures this process's CPU time: it needs --threads 1")
+    clock = time.process_time if cfg.clock == "cpu" else time.perf_counter
     gen = specdec_rt.load(cfg.bundle, threads=cfg.threads, shared_thread_pool=True)
+    gen.measure_clock = clock  # the cost model "auto" decides from, measured with the same clock
     prompts = [gen.tokenizer.encode(p) for p in cfg.prompts]
     limit = gen.max_length - cfg.max_new_tokens - 1
     prompts = [p[-limit:] for p in prompts]
@@ -145,8 +156,8 @@ def run_bench(cfg: BenchConfig) -> dict:
                 gen.target.min_rows = probed_rows
 
     # cost model: T(S) for S = 1..16 and the draft step, on a warm cache
-    t_curve = measure_engine(gen.target, list(range(1, 17)), past=128, reps=7)
-    draft_step = measure_engine(gen.draft_engine, [1], past=128, reps=15)[0] if gen.draft_engine else 0.0
+    t_curve = measure_engine(gen.target, list(range(1, 17)), past=128, reps=7, clock=clock)
+    draft_step = measure_engine(gen.draft_engine, [1], past=128, reps=15, clock=clock)[0] if gen.draft_engine else 0.0
     t1 = t_curve[0]
 
     bar = None
@@ -164,9 +175,9 @@ def run_bench(cfg: BenchConfig) -> dict:
     for rep in range(cfg.repeats):
         for pi, ids in enumerate(prompts):
             for spec in specs:
-                t0 = time.perf_counter()
+                t0 = clock()
                 out = run(spec, ids, seed=cfg.seed + pi, **kwargs)
-                dt = time.perf_counter() - t0
+                dt = clock() - t0
                 a = acc[spec.name]
                 a["seconds"] += dt
                 a["tokens"] += len(out)
@@ -240,7 +251,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         "models": {r: {k: m.get(k) for k in ("family", "num_parameters", "num_layers", "hidden_size", "quantization")}
                    for r, m in gen.bundle.manifest["models"].items()},
         "settings": {"max_new_tokens": cfg.max_new_tokens, "prompts": len(prompts), "repeats": cfg.repeats,
-                     "temperature": cfg.temperature, "threads": cfg.threads},
+                     "temperature": cfg.temperature, "threads": cfg.threads, "clock": cfg.clock},
         "target_time_curve": {"S": list(range(1, 17)), "seconds": t_curve,
                               "ratio": [t / t1 for t in t_curve]},
         "draft_step_seconds": draft_step,

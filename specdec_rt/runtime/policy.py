@@ -286,6 +286,21 @@ class TreePolicy:
         slope = (c[-1] - c[0]) / max(1, len(c) - 1)
         return c[-1] + slope * (rows - len(c))
 
+    def expected(self, tpl) -> tuple[float, float]:
+        """(expected tokens, expected seconds) of one step with template ``tpl`` under the model."""
+        a, b = self.accept, self.second
+        value = [1.0] * tpl.size
+        for i in range(1, tpl.size):
+            d, rank = int(tpl.depths[i]) - 1, tpl.ranks[i]
+            p = a[d] if rank == 0 else (1 - a[d]) * b[d] * (1 - b[d]) ** (rank - 1)
+            value[i] = value[tpl.parents[i]] * p
+        widths: dict[int, int] = {}
+        for u in range(tpl.size):
+            if tpl.children[u]:
+                widths[int(tpl.depths[u])] = widths.get(int(tpl.depths[u]), 0) + 1
+        seconds = sum(self.draft_call(w) for w in widths.values()) + self.cost.target(tpl.size)
+        return float(sum(value)), seconds
+
     def template(self, parents: tuple, ranks: tuple):
         from specdec_rt.runtime.tree import Template
 
