@@ -240,12 +240,15 @@ class TreePolicy:
     (``c(F)`` for a level of F rows, measured) plus ``T(N + 1)`` for verifying N nodes. For every
     depth limit D the best tree of n nodes is the n most valuable nodes (values fall along every
     path, so they form a tree); the plan is the (D, n) with the most expected tokens per second,
-    chains (width 1, K = 0..max_depth) included and preferred on ties, so where side branches
+    chains (width 1, K = 0..max_depth) included, a tree chosen only when it beats the best chain by
+    ``branch_margin``, so where side branches
     cannot pay the tree mode runs the best chain.
 
     Estimates are EMAs per depth (like :class:`AdaptivePolicy`); depths never tested inherit
-    the deepest tested estimate, every ``probe_every``-th step deepens the plan by two, and the
-    plan is recomputed every ``replan_every`` steps (it costs ~0.1-0.4 ms of Python).
+    the deepest tested estimate and every ``probe_every``-th step deepens the plan by two. The
+    best chain is recomputed every step (vectorised, as :class:`AdaptivePolicy` does); the tree
+    search (~0.2 ms of Python) runs every ``replan_every`` steps, and its tree is used while it
+    still beats the current best chain by ``branch_margin``.
     """
 
     cost: CostModel
@@ -257,7 +260,10 @@ class TreePolicy:
     prior_second: float = 0.3
     decay: float = 0.9
     probe_every: int = 8
-    replan_every: int = 16
+    replan_every: int = 4  # steps between tree searches (the best chain is recomputed every step)
+    # a tree must beat the best chain by this much: branching steps cost Python the model does
+    # not count (tree masks, the draft's masked level calls, compaction of the accepted path)
+    branch_margin: float = 0.03
     accept: list[float] = field(default_factory=list)  # a_d, d = 1..
     second: list[float] = field(default_factory=list)  # b_d, d = 1..
     last: object = None  # the template of the last step
@@ -267,6 +273,8 @@ class TreePolicy:
     _plan: object = None
     _templates: dict = field(default_factory=dict)
     _draft_delta: list = field(default_factory=list)
+    _target_key: tuple = ()
+    _target_arr: object = None
 
     def __post_init__(self) -> None:
         n = max(self.max_depth, self.max_nodes) + 3
@@ -359,31 +367,51 @@ class TreePolicy:
                 best_rate, best = rate, n
         return best_rate, best, nodes, reached
 
+    def _targets(self, n_max: int) -> np.ndarray:
+        """T(n + 1) for n = 0..n_max (cached per cost model)."""
+        key = (id(self.cost), n_max)
+        if self._target_key != key:
+            self._target_key = key
+            self._target_arr = np.array([self.cost.target(s) for s in range(1, n_max + 2)])
+        return self._target_arr
+
+    def best_chain(self, n_max: int):
+        """(rate, template) of the best chain of at most ``n_max`` tokens (vectorised: every step)."""
+        k_max = min(self.max_depth, n_max)
+        targets = self._targets(self.max_nodes)
+        ks = np.arange(k_max + 1)
+        tokens = 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(self.accept[:k_max]))])
+        rates = tokens / (ks * self.draft_call(1) + targets[ks])
+        k = int(np.argmax(rates))  # the first maximum: the shortest of equals
+        return float(rates[k]), self.chain(k)
+
+    def best_tree(self, n_max: int, floor: float):
+        """The best branching template of at most ``n_max`` nodes whose expected rate exceeds
+        ``floor`` (tokens per second), or None."""
+        targets = list(self._targets(self.max_nodes)[: n_max + 1])
+        self._draft_delta = [0.0] + [self.draft_call(w) - self.draft_call(w - 1) for w in range(1, n_max + 2)]
+        best_rate, choice = floor, None
+        for depth_limit in range(1, min(self.max_depth, n_max) + 1):
+            best_rate, n, nodes, reached = self._grow(depth_limit, n_max, targets, best_rate)
+            if n is not None:
+                choice = nodes[: n + 1]
+            if reached < depth_limit:  # the limit no longer binds: deeper limits grow the same
+                break
+        if choice is None:
+            return None
+        tpl = self._to_template(choice)
+        return None if tpl.is_chain else tpl
+
     def plan(self, limit: int | None = None):
         """The template with the most expected tokens per second (``limit``: at most this many
-        nodes including the root)."""
+        nodes including the root): the best chain unless a branching tree beats it by
+        ``branch_margin``."""
         n_max = self.max_nodes if limit is None else max(0, min(self.max_nodes, limit - 1))
-        targets = [self.cost.target(s) for s in range(1, n_max + 2)]  # T(n + 1) at index n
-        a = self.accept
-        best_rate, best = 1.0 / targets[0], self.chain(0)
-        e, prod = 1.0, 1.0
-        for k in range(1, min(self.max_depth, n_max) + 1):  # chains first: they win ties
-            prod *= a[k - 1]
-            e += prod
-            rate = e / (k * self.draft_call(1) + targets[k])
-            if rate > best_rate * (1 + 1e-9):
-                best_rate, best = rate, self.chain(k)
-        if self.max_rank > 1:
-            choice = None
-            self._draft_delta = [0.0] + [self.draft_call(w) - self.draft_call(w - 1) for w in range(1, n_max + 2)]
-            for depth_limit in range(1, min(self.max_depth, n_max) + 1):
-                best_rate, n, nodes, reached = self._grow(depth_limit, n_max, targets, best_rate)
-                if n is not None:
-                    choice = nodes[: n + 1]
-                if reached < depth_limit:  # the limit no longer binds: deeper limits grow the same
-                    break
-            if choice is not None:
-                best = self._to_template(choice)
+        rate, best = self.best_chain(n_max)
+        if self.max_rank > 1 and n_max > 1:
+            tree = self.best_tree(n_max, rate * (1 + self.branch_margin))
+            if tree is not None:
+                best = tree
         return best
 
     def _to_template(self, nodes: list[tuple[int, int, int]]):
@@ -424,9 +452,14 @@ class TreePolicy:
     def choose(self, limit: int | None = None):
         """The template for the next step (``limit``: at most this many nodes incl. the root)."""
         self._steps += 1
-        if self._plan is None or self._steps % self.replan_every == 0:
-            self._plan = self.plan()
-        tpl = self._plan
+        n_max = self.max_nodes if limit is None else max(0, min(self.max_nodes, limit - 1))
+        rate, tpl = self.best_chain(n_max)  # every step, as the chain policy does
+        if self.max_rank > 1 and (self._steps % self.replan_every == 1 or self.replan_every == 1):
+            self._plan = self.best_tree(self.max_nodes, rate * (1 + self.branch_margin))
+        if self._plan is not None:  # the last tree search's tree, if it still beats today's chain
+            e, t = self.expected(self._plan)
+            if e / t > rate * (1 + self.branch_margin):
+                tpl = self._plan
         if self._steps % self.probe_every == 0:
             tpl = self._deepen(tpl, 2, limit)
         if limit is not None and tpl.size > limit:
