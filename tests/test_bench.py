@@ -19,7 +19,7 @@ def test_bench_writes_results_table_and_plots(tiny_pair, tmp_path):
     res = json.loads((out / "results.json").read_text())
     names = [r["name"] for r in res["rows"]]
     assert names[0] == "target-only"
-    assert {"model K=1", "model K=2", "model K=auto", "model K=3", "model tree N=3",
+    assert {"model K=1", "model K=2", "model K=auto", "model K=3", "model tree N=3", "model tree auto",
             "prompt_lookup K=1"} <= set(names)
     assert all(r["identical_to_target_only"] for r in res["rows"])  # greedy: every mode exact
     assert len(res["target_time_curve"]["seconds"]) == 16

@@ -106,6 +106,8 @@ def test_greedy_speculative_matches_transformers(ref_gen, prompts):
         for k in (1, 2, 4, 8):
             assert ref_gen.generate_ids(ids, max_new_tokens=48, num_draft_tokens=k, ignore_eos=True) == ref
         assert ref_gen.generate_ids(ids, max_new_tokens=48, speculation="tree", ignore_eos=True) == ref
+        assert ref_gen.generate_ids(ids, max_new_tokens=48, speculation="tree", num_draft_tokens="auto",
+                                    ignore_eos=True) == ref
         assert ref_gen.generate_ids(ids, max_new_tokens=48, num_draft_tokens="auto", ignore_eos=True) == ref
         assert ref_gen.generate_ids(ids, max_new_tokens=48, drafter="prompt_lookup", ignore_eos=True) == ref
 

@@ -14,6 +14,8 @@ import pytest
 import torch
 from scipy import stats as sps
 
+from specdec_rt.runtime.tree import Template
+
 ALPHA = 1e-3
 N_RUNS = 3000
 PROMPT = [3, 7, 3, 7, 3, 1]
@@ -24,6 +26,11 @@ CONFIGS = [
     dict(temperature=1.0, top_k=0, top_p=1.0, drafter="prompt_lookup", num_draft_tokens=2),
     dict(temperature=1.0, top_k=0, top_p=1.0, drafter="model", num_draft_tokens=6, speculation="tree"),
     dict(temperature=0.8, top_k=6, top_p=0.9, drafter="model", num_draft_tokens=9, speculation="tree"),
+    # the shape policy (whatever it chooses), and a fixed branching template: two draws at the
+    # root and at its first child, one at its second
+    dict(temperature=1.0, top_k=0, top_p=1.0, drafter="model", num_draft_tokens="auto", speculation="tree"),
+    dict(temperature=0.9, top_k=0, top_p=1.0, drafter="model", num_draft_tokens="auto", speculation="tree",
+         tree_shape=Template((-1, 0, 0, 1, 1, 2), (0, 0, 1, 0, 1, 0))),
 ]
 
 
@@ -72,7 +79,8 @@ def gen(tiny_vocab_pair):
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"T{c['temperature']}-k{c['top_k']}-p{c['top_p']}-"
-                         f"{c['drafter']}-{c.get('speculation', 'chain')}")
+                         f"{c['drafter']}-{c.get('speculation', 'chain')}-{c['num_draft_tokens']}"
+                         f"{'-template' if c.get('tree_shape') else ''}")
 def test_sampled_tokens_follow_target_distribution(tiny_vocab_pair, gen, cfg):
     joint = exact_joint(tiny_vocab_pair["target"], cfg["temperature"], cfg["top_k"], cfg["top_p"])
     counts = np.zeros_like(joint)
@@ -81,7 +89,7 @@ def test_sampled_tokens_follow_target_distribution(tiny_vocab_pair, gen, cfg):
         out = gen.generate_ids(PROMPT, max_new_tokens=4, seed=seed, ignore_eos=True,
                                temperature=cfg["temperature"], top_k=cfg["top_k"], top_p=cfg["top_p"],
                                drafter=cfg["drafter"], num_draft_tokens=cfg["num_draft_tokens"],
-                               speculation=cfg.get("speculation", "chain"))
+                               speculation=cfg.get("speculation", "chain"), tree_shape=cfg.get("tree_shape"))
         counts[out[0], out[1], out[2]] += 1
         proposed += gen.last_stats.proposed
         rejected += gen.last_stats.proposed - gen.last_stats.accepted

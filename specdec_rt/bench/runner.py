@@ -37,6 +37,7 @@ class BenchConfig:
     compare_graphs: bool = False
     graphs_only: bool = False  # cost model and graph comparison, no generation runs (scale checks)
     overlap: bool = False  # also run the model drafter's chains overlapped (drafting hidden behind verify)
+    clock: str = "wall"  # "cpu": this process's CPU time (single-threaded runs on a shared machine)
 
 
 @dataclass
@@ -117,6 +118,8 @@ def _specs(cfg: BenchConfig, has_draft: bool, min_rows: int = 1) -> list[RunSpec
             for k in cfg.ks + (["auto"] if cfg.auto else []):
                 specs.append(RunSpec(f"{drafter} K={k} overlap", drafter, k, overlap=True))
         if cfg.tree and drafter == "model":
+            if cfg.auto:  # the shape policy: its own choice of budget, depth and width per step
+                specs.append(RunSpec("model tree auto", drafter, "auto", "tree"))
             for budget in cfg.tree_budgets:  # tree of N nodes vs chain K = N: equal verify width
                 if budget not in cfg.ks:
                     specs.append(RunSpec(f"{drafter} K={budget}", drafter, budget))
@@ -132,11 +135,21 @@ def run_bench(cfg: BenchConfig) -> dict:
     import specdec_rt
     from specdec_rt.runtime.policy import measure_engine
 
+    from specdec_rt.errors import GenerationInputError
+
+    if cfg.clock not in ("wall", "cpu"):
+        raise GenerationInputError(f"clock must be 'wall' or 'cpu', not {cfg.clock!r}")
+    if cfg.clock == "cpu" and cfg.threads != 1:
+        raise GenerationInputError("--clock cpu measures this process's CPU time: it needs --threads 1")
+    if cfg.clock == "cpu" and cfg.overlap:
+        raise GenerationInputError("--clock cpu cannot time overlapped runs (two threads): use the wall clock")
+    clock = time.process_time if cfg.clock == "cpu" else time.perf_counter
     # overlapped runs need the target on its own (non-spinning) pool: that generator is made
     # first, and then the others use per-session pools too (ONNX Runtime fixes the choice of a
     # process-wide pool when its first session is created)
     gen_overlap = specdec_rt.load(cfg.bundle, threads=cfg.threads, overlap=True) if cfg.overlap else None
     gen = specdec_rt.load(cfg.bundle, threads=cfg.threads, shared_thread_pool=not cfg.overlap)
+    gen.measure_clock = clock  # the cost model "auto" decides from, measured with the same clock
     prompts = [gen.tokenizer.encode(p) for p in cfg.prompts]
     limit = gen.max_length - cfg.max_new_tokens - 1
     prompts = [p[-limit:] for p in prompts]
@@ -156,8 +169,8 @@ def run_bench(cfg: BenchConfig) -> dict:
                 g.target.min_rows = probed_rows
 
     # cost model: T(S) for S = 1..16 and the draft step, on a warm cache
-    t_curve = measure_engine(gen.target, list(range(1, 17)), past=128, reps=7)
-    draft_step = measure_engine(gen.draft_engine, [1], past=128, reps=15)[0] if gen.draft_engine else 0.0
+    t_curve = measure_engine(gen.target, list(range(1, 17)), past=128, reps=7, clock=clock)
+    draft_step = measure_engine(gen.draft_engine, [1], past=128, reps=15, clock=clock)[0] if gen.draft_engine else 0.0
     t1 = t_curve[0]
 
     bar = None
@@ -175,9 +188,9 @@ def run_bench(cfg: BenchConfig) -> dict:
     for rep in range(cfg.repeats):
         for pi, ids in enumerate(prompts):
             for spec in specs:
-                t0 = time.perf_counter()
+                t0 = clock()
                 out, stats = run(spec, ids, seed=cfg.seed + pi, **kwargs)
-                dt = time.perf_counter() - t0
+                dt = clock() - t0
                 a = acc[spec.name]
                 a["seconds"] += dt
                 a["tokens"] += len(out)
@@ -255,7 +268,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         "models": {r: {k: m.get(k) for k in ("family", "num_parameters", "num_layers", "hidden_size", "quantization")}
                    for r, m in gen.bundle.manifest["models"].items()},
         "settings": {"max_new_tokens": cfg.max_new_tokens, "prompts": len(prompts), "repeats": cfg.repeats,
-                     "temperature": cfg.temperature, "threads": cfg.threads,
+                     "temperature": cfg.temperature, "threads": cfg.threads, "clock": cfg.clock,
                      "thread_pools": "per-session" if cfg.overlap else "process-wide (shared)"},
         "target_time_curve": {"S": list(range(1, 17)), "seconds": t_curve,
                               "ratio": [t / t1 for t in t_curve]},

@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-requests", type=int, default=None,
                     help="with --batch: requests per run (the prompts cycled; default twice the largest batch)")
     ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
-                    help="with --batch: elapsed time, or this process's CPU time (needs --threads 1; other "
+                    help="elapsed time, or this process's CPU time (needs --threads 1; other "
                          "users of a shared machine do not distort it)")
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--quiet", action="store_true")
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             peers=_csv(args.peers), repeats=args.repeats, threads=args.threads, tree=not args.no_tree,
             auto=not args.no_auto, peer_cache=args.peer_cache, progress=not args.quiet,
             compare_graphs=args.compare_graphs, graphs_only=args.graphs_only, tree_budgets=[int(b) for b in _csv(args.tree_budgets)],
-            overlap=args.overlap,
+            overlap=args.overlap, clock=args.clock,
         )
         results = run_bench(cfg)
         results["command"] = "specdec-bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))

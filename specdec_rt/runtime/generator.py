@@ -274,13 +274,22 @@ class Generator:
         if speculation == "chain":
             inner = run_chain(self.target, d, prompt_ids, cfg, rng, stats, verify_thread)
         elif speculation == "tree":
-            from specdec_rt.runtime.tree import TreeShape, run_tree
+            from specdec_rt.runtime.tree import FixedTemplate, Template, TreeShape, run_tree
 
             if not isinstance(d, ModelDrafter):
                 raise GenerationInputError("speculation='tree' needs drafter='model'")
-            budget = 15 if num_draft_tokens == "auto" else max(1, int(num_draft_tokens))
-            shape = tree_shape or TreeShape.for_budget(budget)
-            inner = run_tree(self.target, d, prompt_ids, cfg, rng, stats, shape)
+            if isinstance(tree_shape, Template):
+                inner = run_tree(self.target, d, prompt_ids, cfg, rng, stats, policy=FixedTemplate(tree_shape))
+            elif num_draft_tokens == "auto" and tree_shape is None:
+                # the shape policy: budget, depth and width per step from the cost model and
+                # the running acceptance estimates (a chain where branches do not pay)
+                from specdec_rt.runtime.policy import make_tree_policy
+
+                inner = run_tree(self.target, d, prompt_ids, cfg, rng, stats, policy=make_tree_policy(self))
+            else:
+                budget = 15 if num_draft_tokens == "auto" else max(1, int(num_draft_tokens))
+                shape = tree_shape or TreeShape.for_budget(budget)
+                inner = run_tree(self.target, d, prompt_ids, cfg, rng, stats, shape)
         else:
             raise GenerationInputError(f"speculation must be 'chain' or 'tree', not {speculation!r}")
         reset_peak_rss()
@@ -354,8 +363,9 @@ class Generator:
         Sampling arguments left as ``None`` take the bundle's defaults (greedy unless its
         ``generation_config.json`` sets ``do_sample``); ``temperature=0`` forces greedy. With
         ``speculation="tree"``, ``num_draft_tokens`` is the tree's node budget (default shape from
-        :meth:`TreeShape.for_budget`; pass ``tree_shape`` to override it). ``overlap``: see
-        :meth:`stream`.
+        :meth:`TreeShape.for_budget`; pass ``tree_shape`` to override it); ``"auto"`` lets
+        :class:`~specdec_rt.runtime.policy.TreePolicy` choose the shape per step (a chain where
+        side branches do not pay). ``overlap``: see :meth:`stream`.
         """
         result = GenerationResult("", [], GenerationStats())
         for _ in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, num_draft_tokens,

@@ -86,13 +86,17 @@ class KVCache:
         Sources are always at or after their destinations (accepted path nodes are compacted
         toward the front), so a forward pass of copies never overwrites an unread source.
         """
-        for j, src in enumerate(src_slots):
-            dst = dst_start + j
-            if src == dst:
-                continue
-            for layer in range(self.num_layers):
-                self.keys[layer][seq, dst] = self.keys[layer][seq, src]
-                self.values[layer][seq, dst] = self.values[layer][seq, src]
+        src = np.asarray(src_slots, dtype=np.intp)
+        dst = np.arange(dst_start, dst_start + len(src), dtype=np.intp)
+        moved = src != dst
+        if not moved.any():
+            return
+        src, dst = src[moved], dst[moved]
+        # one fancy-indexed copy per layer and kind (the gather reads every source first)
+        for layer in range(self.num_layers):
+            keys, values = self.keys[layer][seq], self.values[layer][seq]
+            keys[dst] = keys[src]
+            values[dst] = values[src]
 
 
 class CudaKVCache(KVCache):

@@ -242,3 +242,282 @@ def make_policy(generator, drafter: str | None, max_width: int = 1, overlap: boo
     policy.cost = cost  # possibly with more widths than when the policy was made
     policy._step_times = {}
     return policy
+
+
+@dataclass
+class TreePolicy:
+    """The tree shape for each step of ``speculation="tree"`` with ``num_draft_tokens="auto"``.
+
+    Model: a node reached by the walk is accepted with a probability that depends on its depth
+    d and on which of the draft's choices it is: ``a_d`` for the draft's top token (sampling:
+    the first i.i.d. draw), ``(1 - a_d) b_d`` for its second (b_d: how often the second choice is
+    the target's token when the first is not; sampling: the second draw's acceptance under the
+    residual). A node's value is the product along its path (the probability that the walk
+    accepts it) and ``E[tokens] = 1 + sum of the values``. A step costs one draft call per level
+    (``c(F)`` for a level of F rows, measured) plus ``T(N + 1)`` for verifying N nodes. For every
+    depth limit D the best tree of n nodes is the n most valuable nodes (values fall along every
+    path, so they form a tree); the plan is the (D, n) with the most expected tokens per second,
+    chains (width 1, K = 0..max_depth) included, a tree chosen only when it beats the best chain by
+    ``branch_margin``, so where side branches
+    cannot pay the tree mode runs the best chain.
+
+    Estimates are EMAs per depth (like :class:`AdaptivePolicy`); depths never tested inherit
+    the deepest tested estimate and every ``probe_every``-th step deepens the plan by two. The
+    best chain is recomputed every step (vectorised, as :class:`AdaptivePolicy` does); the tree
+    search (~0.2 ms of Python) runs every ``replan_every`` steps, and its tree is used while it
+    still beats the current best chain by ``branch_margin``.
+    """
+
+    cost: CostModel
+    draft_rows: list[float] = field(default_factory=list)  # c(F) for F = 1.. draft rows per level call
+    max_nodes: int = 15
+    max_depth: int = 12
+    max_rank: int = 2  # children per node: 1 = chains only
+    prior: float = 0.6
+    prior_second: float = 0.3
+    decay: float = 0.9
+    probe_every: int = 8
+    replan_every: int = 4  # steps between tree searches (the best chain is recomputed every step)
+    # a tree must beat the best chain by this much: branching steps cost Python the model does
+    # not count (tree masks, the draft's masked level calls, compaction of the accepted path)
+    branch_margin: float = 0.03
+    accept: list[float] = field(default_factory=list)  # a_d, d = 1..
+    second: list[float] = field(default_factory=list)  # b_d, d = 1..
+    last: object = None  # the template of the last step
+    _tested: int = 0
+    _tested2: int = 0
+    _steps: int = 0
+    _plan: object = None
+    _templates: dict = field(default_factory=dict)
+    _draft_delta: list = field(default_factory=list)
+    _target_key: tuple = ()
+    _target_arr: object = None
+
+    def __post_init__(self) -> None:
+        n = max(self.max_depth, self.max_nodes) + 3
+        if not self.accept:
+            self.accept = [self.prior] * n
+        if not self.second:
+            self.second = [self.prior_second] * n
+
+    # -- costs ---------------------------------------------------------------------------
+    def draft_call(self, rows: int) -> float:
+        """One draft call over ``rows`` tree rows."""
+        if rows <= 0:
+            return 0.0
+        c = self.draft_rows or [self.cost.draft_step]
+        if rows <= len(c):
+            return c[rows - 1]
+        slope = (c[-1] - c[0]) / max(1, len(c) - 1)
+        return c[-1] + slope * (rows - len(c))
+
+    def expected(self, tpl) -> tuple[float, float]:
+        """(expected tokens, expected seconds) of one step with template ``tpl`` under the model."""
+        a, b = self.accept, self.second
+        value = [1.0] * tpl.size
+        for i in range(1, tpl.size):
+            d, rank = int(tpl.depths[i]) - 1, tpl.ranks[i]
+            p = a[d] if rank == 0 else (1 - a[d]) * b[d] * (1 - b[d]) ** (rank - 1)
+            value[i] = value[tpl.parents[i]] * p
+        widths: dict[int, int] = {}
+        for u in range(tpl.size):
+            if tpl.children[u]:
+                widths[int(tpl.depths[u])] = widths.get(int(tpl.depths[u]), 0) + 1
+        seconds = sum(self.draft_call(w) for w in widths.values()) + self.cost.target(tpl.size)
+        return float(sum(value)), seconds
+
+    def template(self, parents: tuple, ranks: tuple):
+        from specdec_rt.runtime.tree import Template
+
+        key = (tuple(parents), tuple(ranks))
+        tpl = self._templates.get(key)
+        if tpl is None:
+            tpl = self._templates[key] = Template(*key)
+        return tpl
+
+    def chain(self, k: int):
+        return self.template(tuple(range(-1, k)), (0,) * (k + 1))
+
+    # -- the plan ------------------------------------------------------------------------
+    def _grow(self, depth_limit: int, n_max: int, targets: list[float], best_rate: float):
+        """Best-first growth of the tree under ``depth_limit``; returns (rate, n) of the best
+        prefix better than ``best_rate`` (or None) and the nodes grown [(parent, rank, depth)]."""
+        import heapq
+
+        a, b = self.accept, self.second
+        dc = self._draft_delta
+        reached = 0
+        nodes = [(-1, 0, 0)]
+        value = [1.0]
+        has_kids = [False]
+        width = [0] * (depth_limit + 1)  # expanded nodes per level (draft call widths)
+        heap = [(-a[0], 0, 0, 0, 1)]  # (-value, tie, parent, rank, depth)
+        tie = 1
+        e, draft, best = 1.0, 0.0, None
+        for n in range(1, n_max + 1):
+            if not heap:
+                break
+            v, _, par, rank, dep = heapq.heappop(heap)
+            v = -v
+            idx = len(nodes)
+            nodes.append((par, rank, dep))
+            value.append(v)
+            has_kids.append(False)
+            e += v
+            if not has_kids[par]:
+                has_kids[par] = True
+                lvl = dep - 1
+                width[lvl] += 1
+                draft += dc[width[lvl]]
+            if dep > reached:
+                reached = dep
+            if dep < depth_limit:  # its top child
+                heapq.heappush(heap, (-v * a[dep], tie, idx, 0, dep + 1))
+                tie += 1
+            if rank + 1 < self.max_rank:  # its next sibling: the draft's next choice at the parent
+                # rank 0: a; rank 1: (1 - a) b; rank r > 1: (1 - a)(1 - b)^(r-1) b
+                sib = value[par] * (1 - a[dep - 1]) * b[dep - 1] if rank == 0 else v * (1 - b[dep - 1])
+                heapq.heappush(heap, (-sib, tie, par, rank + 1, dep))
+                tie += 1
+            rate = e / (draft + targets[n])
+            if rate > best_rate * (1 + 1e-9):
+                best_rate, best = rate, n
+        return best_rate, best, nodes, reached
+
+    def _targets(self, n_max: int) -> np.ndarray:
+        """T(n + 1) for n = 0..n_max (cached per cost model)."""
+        key = (id(self.cost), n_max)
+        if self._target_key != key:
+            self._target_key = key
+            self._target_arr = np.array([self.cost.target(s) for s in range(1, n_max + 2)])
+        return self._target_arr
+
+    def best_chain(self, n_max: int):
+        """(rate, template) of the best chain of at most ``n_max`` tokens (vectorised: every step)."""
+        k_max = min(self.max_depth, n_max)
+        targets = self._targets(self.max_nodes)
+        ks = np.arange(k_max + 1)
+        tokens = 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(self.accept[:k_max]))])
+        rates = tokens / (ks * self.draft_call(1) + targets[ks])
+        k = int(np.argmax(rates))  # the first maximum: the shortest of equals
+        return float(rates[k]), self.chain(k)
+
+    def best_tree(self, n_max: int, floor: float):
+        """The best branching template of at most ``n_max`` nodes whose expected rate exceeds
+        ``floor`` (tokens per second), or None."""
+        targets = list(self._targets(self.max_nodes)[: n_max + 1])
+        self._draft_delta = [0.0] + [self.draft_call(w) - self.draft_call(w - 1) for w in range(1, n_max + 2)]
+        best_rate, choice = floor, None
+        for depth_limit in range(1, min(self.max_depth, n_max) + 1):
+            best_rate, n, nodes, reached = self._grow(depth_limit, n_max, targets, best_rate)
+            if n is not None:
+                choice = nodes[: n + 1]
+            if reached < depth_limit:  # the limit no longer binds: deeper limits grow the same
+                break
+        if choice is None:
+            return None
+        tpl = self._to_template(choice)
+        return None if tpl.is_chain else tpl
+
+    def plan(self, limit: int | None = None):
+        """The template with the most expected tokens per second (``limit``: at most this many
+        nodes including the root): the best chain unless a branching tree beats it by
+        ``branch_margin``."""
+        n_max = self.max_nodes if limit is None else max(0, min(self.max_nodes, limit - 1))
+        rate, best = self.best_chain(n_max)
+        if self.max_rank > 1 and n_max > 1:
+            tree = self.best_tree(n_max, rate * (1 + self.branch_margin))
+            if tree is not None:
+                best = tree
+        return best
+
+    def _to_template(self, nodes: list[tuple[int, int, int]]):
+        """Grown nodes [(parent, rank, depth)] in growth order -> a breadth-first template."""
+        order = sorted(range(len(nodes)), key=lambda i: nodes[i][2])
+        new = {}
+        # within a level: by the parent's new index, then rank (the backbone first)
+        out = []
+        for d in range(max(n[2] for n in nodes) + 1):
+            level = [i for i in order if nodes[i][2] == d]
+            level.sort(key=lambda i: (new.get(nodes[i][0], -1), nodes[i][1]))
+            for i in level:
+                new[i] = len(out)
+                out.append(i)
+        parents = tuple(-1 if nodes[i][0] < 0 else new[nodes[i][0]] for i in out)
+        ranks = tuple(nodes[i][1] for i in out)
+        return self.template(parents, ranks)
+
+    def _deepen(self, tpl, extra: int, limit: int | None):
+        """``tpl`` with ``extra`` more top-choice nodes under its first deepest node (for a chain,
+        or the backbone of a tree, its tip), so deeper depths keep being tested."""
+        tip = int(np.argmax(tpl.depths))  # the first node of the deepest level
+        parents, ranks = list(tpl.parents), list(tpl.ranks)
+        room = (limit if limit is not None else 10 ** 9) - len(parents)
+        extra = min(extra, room, self.max_depth - int(tpl.depths[tip]))
+        if extra <= 0:
+            return tpl
+        if tpl.is_chain:
+            return self.chain(len(parents) - 1 + extra)
+        # appended nodes are deeper than every node on their path; keep breadth-first order by
+        # rebuilding through the grower's representation
+        nodes = [(parents[i], ranks[i], int(tpl.depths[i])) for i in range(len(parents))]
+        for _ in range(extra):
+            nodes.append((tip, 0, nodes[tip][2] + 1))
+            tip = len(nodes) - 1
+        return self._to_template(nodes)
+
+    def choose(self, limit: int | None = None):
+        """The template for the next step (``limit``: at most this many nodes incl. the root)."""
+        self._steps += 1
+        n_max = self.max_nodes if limit is None else max(0, min(self.max_nodes, limit - 1))
+        rate, tpl = self.best_chain(n_max)  # every step, as the chain policy does
+        if self.max_rank > 1 and (self._steps % self.replan_every == 1 or self.replan_every == 1):
+            self._plan = self.best_tree(self.max_nodes, rate * (1 + self.branch_margin))
+        if self._plan is not None:  # the last tree search's tree, if it still beats today's chain
+            e, t = self.expected(self._plan)
+            if e / t > rate * (1 + self.branch_margin):
+                tpl = self._plan
+        if self._steps % self.probe_every == 0:
+            tpl = self._deepen(tpl, 2, limit)
+        if limit is not None and tpl.size > limit:
+            tpl = self.plan(limit)
+        self.last = tpl
+        return tpl
+
+    # -- learning ------------------------------------------------------------------------
+    def observe(self, depth: int, first: float, second: float | None = None) -> None:
+        """At a node the walk reached whose children the draft computed: ``first`` = the
+        target's token was the draft's top choice (1/0; sampling: the first draw's acceptance
+        probability), ``second`` = it was the second choice given not the first (sampling: the
+        second draw's acceptance probability under the residual); None: not observed."""
+        j = depth - 1
+        if not 0 <= j < len(self.accept):
+            return
+        w = 1 - self.decay
+        self.accept[j] += w * (first - self.accept[j])
+        self._tested = max(self._tested, j + 1)
+        if second is not None:
+            self.second[j] += w * (second - self.second[j])
+            self._tested2 = max(self._tested2, j + 1)
+
+    def end_step(self) -> None:
+        """Untested depths inherit the deepest tested estimate."""
+        for est, tested in ((self.accept, self._tested), (self.second, self._tested2)):
+            if tested:
+                for j in range(tested, len(est)):
+                    est[j] = est[tested - 1]
+
+
+def make_tree_policy(generator) -> TreePolicy:
+    """The generator's tree policy: its cost model (as for "auto" chains) plus the draft's cost
+    for calls of 1..8 rows, measured once; estimates kept across generations."""
+    cache = generator.__dict__.setdefault("_policies", {})
+    policy = cache.get("tree")
+    if policy is None:
+        cost = make_policy(generator, "model").cost
+        clock = generator.__dict__.get("measure_clock", time.perf_counter)
+        sizes = [1, 2, 3, 4, 6, 8]
+        rows = measure_engine(generator.draft_engine, sizes, past=128, reps=11, clock=clock)
+        c = [float(x) for x in np.interp(np.arange(1, 9), sizes, rows)]
+        policy = cache["tree"] = TreePolicy(cost, draft_rows=c)
+    return policy

@@ -25,7 +25,7 @@ from typing import Iterator
 import numpy as np
 
 from specdec_rt.runtime.drafters import ModelDrafter
-from specdec_rt.runtime.engine import OrtEngine, tree_mask
+from specdec_rt.runtime.engine import NEG_INF, OrtEngine, causal_mask, tree_mask
 from specdec_rt.runtime.sampling import SamplingParams, probabilities, sample
 from specdec_rt.runtime.speculative import LoopConfig, StepClock, clip_new_tokens, prefill
 from specdec_rt.runtime.stats import GenerationStats
@@ -58,6 +58,97 @@ class TreeShape:
         and no confidence cut-off by default.
         """
         return cls(budget=budget, depth=max(1, round(0.7 * budget)))
+
+
+class Template:
+    """A static tree shape chosen by :class:`~specdec_rt.runtime.policy.TreePolicy`: node 0 is
+    the root (the last committed token), node i > 0 hangs under ``parents[i]`` (< i) as the
+    draft's choice of ``ranks[i]`` there (greedy: 0 = the draft's top token, 1 = its second;
+    sampling: the index of the i.i.d. draw from q). Nodes are in breadth-first order and a chain
+    of K tokens is nodes 0..K in a line, so verifying it is an ordinary causal chain call.
+
+    Everything that depends only on the shape is computed once per template and cached by the
+    policy: depths, children, the verify mask's tree block, and per draft level the rows fed to
+    the draft and their mask block over the draft's tree region.
+    """
+
+    def __init__(self, parents: tuple[int, ...], ranks: tuple[int, ...]) -> None:
+        n = len(parents)
+        if n == 0 or parents[0] != -1 or any(not 0 <= parents[i] < i for i in range(1, n)):
+            raise ValueError(f"not a tree in parent-first order: {parents}")
+        depth = [0] * n
+        for i in range(1, n):
+            depth[i] = depth[parents[i]] + 1
+        if any(depth[i] < depth[i - 1] for i in range(1, n)):
+            raise ValueError(f"nodes must be in breadth-first order: {parents}")
+        self.parents, self.ranks, self.size = tuple(parents), tuple(ranks), n
+        self.depths = np.asarray(depth, dtype=np.int64)
+        self.max_depth = int(self.depths.max())
+        self.children: list[list[tuple[int, int]]] = [[] for _ in range(n)]  # (rank, node)
+        for i in range(1, n):
+            self.children[parents[i]].append((ranks[i], i))
+        self.width = [max((r for r, _ in c), default=-1) + 1 for c in self.children]
+        self.is_chain = all(p == i - 1 for i, p in enumerate(parents) if i) and not any(ranks[1:])
+        vis = np.zeros((n, n), dtype=bool)
+        for i in range(n):
+            vis[i, i] = True
+            if i:
+                vis[i] |= vis[parents[i]]
+        self.visible = vis
+        self.block = np.where(vis, np.float32(0), NEG_INF).astype(np.float32)
+        # draft levels: level d (1..max_depth-1) feeds the depth-d nodes that have children;
+        # their slots in the draft's tree region follow the levels (the root is committed)
+        fed = [i for i in range(1, n) if self.children[i]]
+        slot = {node: k for k, node in enumerate(fed)}
+        self.slots = slot
+        self.levels: list[np.ndarray] = []
+        self.level_visible: list[np.ndarray] = []  # [F, region so far + F] bool
+        self.level_block: list[np.ndarray] = []  # the same as additive float32
+        done = 0
+        for d in range(1, self.max_depth):
+            nodes = [i for i in fed if depth[i] == d]
+            v = np.zeros((len(nodes), done + len(nodes)), dtype=bool)
+            for r, i in enumerate(nodes):
+                a = i
+                while a > 0:
+                    v[r, slot[a]] = True
+                    a = parents[a]
+            done += len(nodes)
+            self.levels.append(np.asarray(nodes, dtype=np.int64))
+            self.level_visible.append(v)
+            self.level_block.append(np.where(v, np.float32(0), NEG_INF).astype(np.float32))
+
+    @classmethod
+    def chain(cls, k: int) -> "Template":
+        return cls(tuple(range(-1, k)), (0,) * (k + 1))
+
+    @property
+    def key(self) -> tuple:
+        return (self.parents, self.ranks)
+
+    def __repr__(self) -> str:
+        if self.is_chain:
+            return f"Template.chain({self.size - 1})"
+        return f"Template(nodes={self.size - 1}, depth={self.max_depth}, parents={self.parents}, ranks={self.ranks})"
+
+
+class FixedTemplate:
+    """A shape policy that always answers one template (``tree_shape=Template(...)``: tests, or
+    a hand-picked shape); near the context end or the token budget, the chain that fits."""
+
+    def __init__(self, template: Template) -> None:
+        self.template = template
+
+    def choose(self, limit: int | None = None) -> Template:
+        if limit is not None and self.template.size > limit:
+            return Template.chain(max(0, limit - 1))
+        return self.template
+
+    def observe(self, depth: int, first: float, second: float | None = None) -> None:
+        pass
+
+    def end_step(self) -> None:
+        pass
 
 
 @dataclass
@@ -193,6 +284,97 @@ class TreeDrafter:
         return out
 
 
+class TemplateDrafter:
+    """Drafts the tokens of a :class:`Template`: the catch-up call gives the root's row, then
+    one draft call per level over the level's nodes that have children.
+
+    Greedy: a node's children are the draft's top choices by rank; the top two of every
+    expanded node are kept (``top``) so that the policy learns how often the second choice is
+    the target's token, whatever the shape. Sampling: an expanded node draws as many i.i.d.
+    tokens from q as it has children (rank r = draw r), as :class:`TreeDrafter` does.
+
+    A chain template runs on the draft's one-token fast path and its drafted tokens stay in the
+    draft's cache (the next :meth:`ModelDrafter.sync` rolls back what the target rejected),
+    exactly like the chain loop; a branching template runs in a tree region that is rolled back.
+    """
+
+    def __init__(self, drafter: ModelDrafter) -> None:
+        self.d = drafter
+
+    def build(self, tokens: list[int], tpl: Template, params: SamplingParams, rng: np.random.Generator):
+        """Returns (ids [n], top [n, 2] (greedy; -1 where not expanded), q per node or None,
+        draws per node or None)."""
+        d, eng, n = self.d, self.d.engine, tpl.size
+        ids = np.empty(n, dtype=np.int64)
+        ids[0] = tokens[-1]
+        top = np.full((n, 2), -1, dtype=np.int64)
+        greedy = params.greedy
+        qs = None if greedy else [None] * n
+        draws = None if greedy else [[] for _ in range(n)]
+        if n == 1:
+            return ids, top, qs, draws
+        row = d._step(tokens[len(d.seen()):])  # catch up; the root's row
+        fill = self._fill_greedy if greedy else self._fill_sampled
+        if tpl.is_chain:
+            for depth in range(1, n):
+                fill(tpl, [depth - 1], row[None, :], ids, top, qs, draws, params, rng)
+                if depth < n - 1:
+                    row = d._step([int(ids[depth])])
+            return ids, top, qs, draws
+        fill(tpl, [0], row[None, :], ids, top, qs, draws, params, rng)
+        base = eng.length  # committed draft prefix incl. the root
+        root_pos = len(tokens) - 1
+        window = eng.info.sliding_window
+        for lvl, nodes in enumerate(tpl.levels):
+            f = len(nodes)
+            pos = np.full(f, root_pos + lvl + 1, dtype=np.int64)
+            if window:
+                vis = tpl.level_visible[lvl]
+                mask = tree_mask(base, vis[:, :-f], pos, window, new_block=vis[:, -f:])
+            else:
+                block = tpl.level_block[lvl]
+                mask = np.zeros((f, base + block.shape[1]), dtype=np.float32)
+                mask[:, base:] = block
+            logits = eng.forward(ids[nodes], pos, mask)
+            eng.commit(f)
+            d.calls += 1
+            fill(tpl, nodes, logits, ids, top, qs, draws, params, rng)
+        eng.rollback(base)  # tree nodes never enter the draft's committed cache
+        return ids, top, qs, draws
+
+    @staticmethod
+    def _fill_greedy(tpl, nodes, x, ids, top, qs, draws, params, rng) -> None:
+        x = np.array(x, dtype=np.float32)  # a copy: rows are masked in place below
+        rows = np.arange(len(nodes))
+        t1 = x.argmax(axis=1)
+        x[rows, t1] = -np.inf
+        t2 = x.argmax(axis=1)
+        top[nodes, 0] = t1
+        top[nodes, 1] = t2
+        for r, u in enumerate(nodes):
+            for rank, child in tpl.children[u]:
+                if rank < 2:
+                    ids[child] = t1[r] if rank == 0 else t2[r]
+                else:  # further choices by repeated argmax (wide templates only)
+                    scratch = x[r].copy()
+                    for _ in range(rank - 1):
+                        scratch[int(np.argmax(scratch))] = -np.inf
+                    ids[child] = int(np.argmax(scratch))
+
+    def _fill_sampled(self, tpl, nodes, x, ids, top, qs, draws, params, rng) -> None:
+        probs = probabilities(x, params)
+        vocab = self.d.target_vocab
+        for r, u in enumerate(nodes):
+            q = probs[r]
+            if len(q) < vocab:  # a draft with a smaller (unpadded) vocabulary
+                q = np.pad(q, (0, vocab - len(q)))
+            qs[u] = q
+            drawn = [sample(q, rng) for _ in range(tpl.width[u])]
+            draws[u] = drawn
+            for rank, child in tpl.children[u]:
+                ids[child] = drawn[rank]
+
+
 def _tree_visibility(tree: list[_Node]) -> np.ndarray:
     n = len(tree)
     vis = np.zeros((n, n), dtype=bool)
@@ -236,8 +418,10 @@ def _accept_sampled(tree: list[_Node], p_rows: np.ndarray, rng: np.random.Genera
 
 def run_tree(target: OrtEngine, drafter: ModelDrafter, prompt: list[int], cfg: LoopConfig,
              rng: np.random.Generator, stats: GenerationStats,
-             shape: TreeShape | None = None) -> Iterator[list[int]]:
-    """Like :func:`run_chain`, verifying a token tree per target call."""
+             shape: TreeShape | None = None, policy=None) -> Iterator[list[int]]:
+    """Like :func:`run_chain`, verifying a token tree per target call: a fixed-budget
+    :class:`TreeShape`, or with ``policy`` (:class:`~specdec_rt.runtime.policy.TreePolicy`) the
+    template it chooses per step."""
     shape = shape or TreeShape()
     t_start = time.perf_counter()
     eos = set() if cfg.ignore_eos else set(cfg.eos_token_ids)
@@ -247,6 +431,9 @@ def run_tree(target: OrtEngine, drafter: ModelDrafter, prompt: list[int], cfg: L
     clock = StepClock(target, drafter, t_start)
     yield [tokens[-1]]
     if tokens[-1] in eos or cfg.max_new_tokens <= 1:
+        return
+    if policy is not None:
+        yield from _run_templates(target, drafter, tokens, cfg, rng, stats, policy, clock, eos)
         return
     while (generated := stats.new_tokens) < cfg.max_new_tokens:
         p0 = target.length
@@ -278,6 +465,92 @@ def run_tree(target: OrtEngine, drafter: ModelDrafter, prompt: list[int], cfg: L
         stats.record(int(depth.max()), n_acc)
         stats.draft_lengths.append(len(tree) - 1)
         new = clip_new_tokens([tree[i].token for i in path[1:]] + [nxt], cfg.max_new_tokens - generated, eos)
+        clock.commit(stats, tokens, new, drafter)
+        yield new
+        if new[-1] in eos:
+            return
+
+
+def _run_templates(target: OrtEngine, drafter: ModelDrafter, tokens: list[int], cfg: LoopConfig,
+                   rng: np.random.Generator, stats: GenerationStats, policy, clock: StepClock,
+                   eos: set[int]) -> Iterator[list[int]]:
+    """The tree loop with a shape policy: per step the policy's template, drafted level by level,
+    verified in one call (a chain template as a plain causal chain), the accepted path's K/V
+    compacted (nothing to move when the path is the template's first nodes)."""
+    params = cfg.params
+    greedy = params.greedy
+    window = target.info.sliding_window
+    dr = TemplateDrafter(drafter)
+    d_eng = drafter.engine
+    while (generated := stats.new_tokens) < cfg.max_new_tokens:
+        p0 = target.length
+        if p0 + 1 >= target.max_len:
+            return
+        # nodes incl. the root: the target's and the draft's room, and no more than the budget
+        limit = max(1, min(target.max_len - p0, d_eng.max_len - len(tokens) + 1, cfg.max_new_tokens - generated))
+        tpl = policy.choose(limit)
+        t0 = time.perf_counter()
+        ids, top, qs, draws = dr.build(tokens, tpl, params, rng)
+        t1 = time.perf_counter()
+        stats.time_draft += t1 - t0
+        n = tpl.size
+        pos = p0 + tpl.depths
+        if tpl.is_chain:
+            mask = causal_mask(p0, pos, window)
+        elif window:
+            mask = tree_mask(p0, np.zeros((n, 0), dtype=bool), pos, window, new_block=tpl.visible)
+        else:
+            mask = np.zeros((n, p0 + n), dtype=np.float32)
+            mask[:, p0:] = tpl.block
+        logits = target.forward(ids, pos, mask)
+        children = tpl.children
+        if greedy:
+            best = logits.argmax(axis=-1)
+            path, u = [0], 0
+            while True:
+                tok = best[u]
+                if top[u, 0] >= 0:  # the draft expanded u: what did it rank first and second?
+                    first = tok == top[u, 0]
+                    policy.observe(int(tpl.depths[u]) + 1, float(first),
+                                   None if first else float(tok == top[u, 1]))
+                nxt = next((c for _, c in children[u] if ids[c] == tok), None)
+                if nxt is None:
+                    break
+                path.append(nxt)
+                u = nxt
+            nxt_tok = int(tok)
+        else:
+            p_rows = probabilities(logits, params)
+            nodes = []
+            for i in range(n):
+                kids: dict[int, int] = {}
+                for _, c in children[i]:
+                    kids.setdefault(int(ids[c]), c)
+                nodes.append(_Node(int(ids[i]), tpl.parents[i], int(tpl.depths[i]), 0.0, kids,
+                                   draws[i], qs[i]))
+            path, nxt_tok = _accept_sampled(nodes, p_rows, rng)
+            for u in path:
+                q = qs[u]
+                if q is None:
+                    continue
+                p = p_rows[u]
+                first = float(np.minimum(p, q).sum())  # a draw from q is accepted w.p. sum min(p, q)
+                resid = np.maximum(p - q, 0.0)
+                z = resid.sum()
+                second = float(np.minimum(resid / z, q).sum()) if z > 0 else 0.0
+                policy.observe(int(tpl.depths[u]) + 1, first, second)
+        policy.end_step()
+        if path[-1] == len(path) - 1:  # the first nodes in order (always, for a chain)
+            target.commit(len(path))
+        else:
+            target.compact(path)
+        stats.time_verify += time.perf_counter() - t1
+        stats.target_calls += 1
+        n_acc = len(path) - 1
+        if n > 1:
+            stats.record(tpl.max_depth, n_acc)
+        stats.draft_lengths.append(n - 1)
+        new = clip_new_tokens([int(ids[i]) for i in path[1:]] + [nxt_tok], cfg.max_new_tokens - generated, eos)
         clock.commit(stats, tokens, new, drafter)
         yield new
         if new[-1] in eos:
