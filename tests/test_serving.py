@@ -708,3 +708,35 @@ def test_batch_scheduler_queue_limit_counts_free_rows(tiny_gen):
 
     assert asyncio.run(run()) == [["cancelled"], ["cancelled"]]
     assert sched.queue_depth == 0 and sched.capacity == 2
+
+
+def test_batch_scheduler_forgets_finished_rows_under_steady_load(tiny_gen):
+    """A batch that never empties (a long request keeps it running while short ones come and go)
+    must not keep the finished rows' jobs alive: memory stays flat under continuous load."""
+    import asyncio
+    import gc
+    import weakref
+
+    from specdec_rt.serving.scheduler import BatchScheduler, GenSpec
+
+    sched = BatchScheduler(tiny_gen, 2, max_queue=64, step_delay=0.002)
+    sched.start()
+    try:
+        async def run():
+            long = sched.submit(GenSpec([1, 2, 3], {"max_new_tokens": 200, "ignore_eos": True, "temperature": 0}))
+            refs = []
+            for i in range(12):  # short requests join the running batch one after another
+                job = sched.submit(GenSpec([4, 5, i + 6], {"max_new_tokens": 3, "ignore_eos": True, "temperature": 0}))
+                assert [e.kind async for e in job.events()][-1] == "done"
+                refs.append(weakref.ref(job))
+                del job
+            gc.collect()
+            alive = sum(r() is not None for r in refs)
+            assert sched.running, "the long request should still be decoding"
+            long.cancel()
+            [e async for e in long.events()]
+            return alive
+
+        assert asyncio.run(run()) == 0
+    finally:
+        sched.close()

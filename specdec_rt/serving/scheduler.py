@@ -482,12 +482,13 @@ class BatchScheduler(SerialScheduler):
             overlap = gen._overlap(None, "chain")  # the generator's default (specdec-serve --overlap)
             for row, new in run_batch(gen.target, d, self._source(key, states), self.max_batch, k, policy,
                                       overlap=overlap):
-                st = states[row.index]
-                if st.closed:
+                st = states.get(row.index)
+                if st is None or st.closed:
                     continue
                 job, res, text = st.job, st.result, st.text
                 if row.error is not None:
                     self._end(st, Event("error", status=400, message=str(row.error), code="invalid_request"))
+                    del states[row.index]
                     continue
                 if self.step_delay:
                     time.sleep(self.step_delay)
@@ -521,6 +522,7 @@ class BatchScheduler(SerialScheduler):
                 if outcome is not None:
                     row.finished = row.finished or "cancelled"  # leaves before the next step
                     self._end(st, outcome)
+                    del states[row.index]  # a batch under steady load never ends: forget its rows
         except Exception as exc:  # noqa: BLE001 - report to every row of the batch, keep serving
             log.error("batched generation failed:\n%s", traceback.format_exc())
             for st in list(states.values()):
