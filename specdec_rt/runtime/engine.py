@@ -31,6 +31,18 @@ PREFILL_CHUNK = 256
 STRIDE_STEP = 32
 
 
+# ONNX Attention (opset 23), which drafts exported with fused attention use: CPU kernel since 1.23
+FUSED_ATTENTION_MIN_ORT = (1, 23)
+
+
+def _ort_version() -> tuple[int, int]:
+    try:
+        major, minor = ort.__version__.split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:  # a development build: assume it is recent
+        return (99, 0)
+
+
 _GLOBAL_POOL: int | None = None  # intra-op size of the process-wide pool, once created
 
 
@@ -219,6 +231,11 @@ class OrtEngine(EngineBase):
             raise BackendUnavailableError(
                 f"batched decoding (max_batch {max_batch}) runs on the CPU provider in this version; "
                 f"the {provider} provider decodes one sequence at a time (max_batch=1)")
+        if getattr(info, "fused_attention", False) and _ort_version() < FUSED_ATTENTION_MIN_ORT:
+            raise BackendUnavailableError(
+                f"the {info.role} graph uses ONNX's Attention op (opset 23), which needs onnxruntime >= "
+                f"{'.'.join(map(str, FUSED_ATTENTION_MIN_ORT))} (installed: {ort.__version__}); upgrade it, or "
+                "re-export the bundle with specdec-export --draft-plain-attention")
         try:
             self.session = ort.InferenceSession(str(graph_path), session_options(threads, shared_pool),
                                                 providers=providers)
