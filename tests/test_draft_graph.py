@@ -202,3 +202,25 @@ def test_windowed_host_path_matches_session_run(tiny_pair):
             for x, y in zip(win.cache.read(layer, 0, win.lengths[seq] + 3, seq),
                             ref.cache.read(layer, 0, ref.lengths[seq] + 3, seq)):
                 np.testing.assert_allclose(x, y, rtol=0, atol=1e-5)
+
+
+def test_export_cli_switch(monkeypatch, tmp_path):
+    """--draft-plain-attention reaches ExportOptions; --portable and --trt imply plain drafts anyway."""
+    from specdec_rt.cli import export_cli
+    from specdec_rt.export import pipeline
+
+    seen = []
+
+    def fake_export_pair(target, draft, out, opts):
+        seen.append(opts)
+        raise pipeline.ExportError("stop here")
+
+    monkeypatch.setattr(pipeline, "export_pair", fake_export_pair)
+    base = ["--target", str(tmp_path), "--draft", str(tmp_path), "--out", str(tmp_path / "b"), "--quiet"]
+    export_cli.main(base)
+    export_cli.main(base + ["--draft-plain-attention"])
+    assert [o.draft_fused_attention for o in seen] == [True, False]
+    assert pipeline.fused_attention("draft", portable=False)
+    assert not pipeline.fused_attention("draft", portable=True)
+    assert not pipeline.fused_attention("target", portable=False)
+    assert not pipeline.fused_attention("draft", portable=False, draft_fused_attention=False)
