@@ -414,10 +414,12 @@ class OrtEngine(EngineBase):
         mask is written into. Token ids, positions, logits and the S new K/V rows live in buffers
         bound once per S; the new rows are copied into the cache after the call. Binding every
         input and output per call costs ~1.5 us each (4L + 4 of them), session.run converts its
-        feeds and fetches, so this path measured ~15% less per draft call on the reference pair
-        (2 layers, docs/benchmarks.md). Masked columns add exact zeros to the attention sums but may
-        regroup them (a last-bit change of the draft's logits): the draft only proposes, the target
-        verifies, so greedy output is unchanged; the target never takes this path.
+        feeds and fetches: this path measured ~10% less per draft step on the reference pair
+        (2 layers; 151-155 vs 167-171 us, docs/benchmarks.md). The masked slots hold zeros or
+        rolled-back K/V (finite), so they add exact zeros to the attention sums, but may regroup
+        them (a last-bit change of the draft's logits): the draft only proposes, the target
+        verifies, so greedy output is unchanged; the target never takes this path. The logits
+        returned are a view that the next call with the same S overwrites (as with IO binding).
         """
         w = self._win
         if w is None:
