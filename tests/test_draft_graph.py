@@ -171,6 +171,9 @@ def test_windowed_host_path_matches_session_run(tiny_pair):
     ref = specdec_rt.load(tiny_pair["bundle"], threads=1, max_batch=3).draft_engine
     ref.past_window = 0
     assert win.past_window == PAST_WINDOW and gen.target.past_window == 0
+    # an explicit io_binding choice is honoured: False keeps session.run, True the per-call bindings
+    for io in (False, True):
+        assert specdec_rt.load(tiny_pair["bundle"], threads=1, io_binding=io).draft_engine.past_window == 0
     rng = np.random.default_rng(0)
 
     def both(fn):

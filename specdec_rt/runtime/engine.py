@@ -289,10 +289,11 @@ class OrtEngine(EngineBase):
         # session.run over zero-copy views of the same buffers plus a copy of the S new rows
         # measured faster for small drafts (fewer Python->C++ calls per step): docs/runtime.md.
         self.io_binding = (self.device != "cpu") if io_binding is None else io_binding
-        # host path: the draft's one-sequence calls go through persistent bindings with the past in
-        # windows of PAST_WINDOW positions (_forward_window); the target keeps session.run over
-        # exact-length views (_forward_run): its bits must not depend on masked columns
-        self.past_window = PAST_WINDOW if info.role == "draft" and self.device == "cpu" else 0
+        # host path (io_binding left to us): the draft's one-sequence calls go through persistent
+        # bindings with the past in windows of PAST_WINDOW positions (_forward_window); the target,
+        # and io_binding=False, keep session.run over exact-length views (_forward_run): the
+        # target's bits must not depend on masked columns
+        self.past_window = PAST_WINDOW if io_binding is None and info.role == "draft" and self.device == "cpu" else 0
         self.lengths = [0] * max_batch
         self.calls = 0
         self.model_time = 0.0  # seconds inside ONNX Runtime: the loop's overhead is the rest
