@@ -73,7 +73,8 @@ def genai_session(model_path: Path, threads: int | None):
     import json
 
     head_size = json.loads((model_path.parent / "genai_config.json").read_text())["model"]["decoder"]["head_size"]
-    return ort.InferenceSession(str(model_path), session_options(threads), providers=["CPUExecutionProvider"]), head_size
+    sess = ort.InferenceSession(str(model_path), session_options(threads), providers=["CPUExecutionProvider"])
+    return sess, head_size
 
 
 def genai_latency(model_path: Path, sizes: list[int], past: int, threads: int | None, reps: int) -> dict:

@@ -539,7 +539,8 @@ class GraphBuilder:
         ropes = s.layer_rope or ["default"] * s.num_layers
 
         scale = s.attention_scale if s.attention_scale is not None else 1.0 / np.sqrt(d)
-        q_fold = scale / s.attn_softcap if s.attn_softcap and not self._fused_attn else scale  # tanh(q.k * scale / c) * c
+        # tanh(q.k * scale / c) * c: 1/c folded into q too, unless the fused op applies the soft-cap
+        q_fold = scale / s.attn_softcap if s.attn_softcap and not self._fused_attn else scale
         residual, pending = x, None
         for i, lw in enumerate(w.layers):
             p = f"l{i}"
