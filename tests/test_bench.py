@@ -60,3 +60,20 @@ def test_batch_bench_writes_results_table_and_plot(tiny_pair, tmp_path):
     assert set(res["cost_surface"]) == {"1", "2", "4"}
     assert "best_spec_vs_target_only" in res["goals"]["total"]
     assert "| 4 | model K=2 |" in (out / "batch_results.md").read_text()
+
+
+def test_graph_timing_interleaves_and_scales_repeats():
+    """compare_graphs times both systems in alternating blocks (the same moments of load) and gives
+    fast calls more repeats (bounded)."""
+    import time
+
+    from specdec_rt.bench.graphs import _reps_for, _time_interleaved
+
+    order = []
+    fns = {"a": lambda: order.append("a"), "b": lambda: (order.append("b"), time.sleep(0.0001))}
+    best = _time_interleaved(fns, reps=10, block=5)
+    assert set(best) == {"a", "b"} and best["a"] < best["b"]
+    calls = order[2:]  # after _reps_for's one call each
+    assert calls[:10] == ["a"] * 5 + ["b"] * 5 and calls.count("a") == calls.count("b") >= 10
+    assert _reps_for({"x": lambda: None}, 30) == 500
+    assert _reps_for({"x": lambda: time.sleep(0.05)}, 30) == 30

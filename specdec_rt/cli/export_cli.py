@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-context", type=int, default=None, help="max positions (default: model's, capped at 4096)")
     ap.add_argument("--portable", action="store_true",
                     help="standard ONNX ops only (no com.microsoft contrib ops), e.g. for TensorRT")
+    ap.add_argument("--draft-plain-attention", action="store_true",
+                    help="the draft's attention as decomposed ops (MatMul/Softmax/...) instead of one ONNX "
+                         "Attention node per layer (opset 23, ONNX Runtime >= 1.23); --portable implies it")
     ap.add_argument("--trt", action="store_true", help="also build native TensorRT engines (needs tensorrt)")
     ap.add_argument("--no-validate", action="store_true", help="skip the ORT-vs-PyTorch validation")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -61,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype, quantize=args.quantize,
             quantize_roles=tuple(r.strip() for r in args.quantize_models.split(",") if r.strip()),
             opset=args.opset, max_context=args.max_context, portable=args.portable or args.trt,
+            draft_fused_attention=not args.draft_plain_attention,
             validate=not args.no_validate, progress=not args.quiet, quantize_embedding=not args.float_embedding,
         )
         manifest = export_pair(args.target, args.draft, args.out, opts)

@@ -36,6 +36,7 @@ from specdec_rt.export.errors import ExportError
 from specdec_rt.export.quantize import ACCURACY_LEVEL, BLOCK_SIZE, QUANT_BITS, quantize_blockwise
 
 CONTRACT_VERSION = 1
+FUSED_ATTENTION_OPSET = 23  # ONNX Attention; ONNX Runtime's CPU kernel since 1.23
 MS_DOMAIN = "com.microsoft"
 
 _NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16}
@@ -63,6 +64,9 @@ class GraphOptions:
     quantize: str | None = None  # "int4" | "int8": weight-only, quantized while the graph is built
     block_size: int = BLOCK_SIZE
     quantize_embedding: bool = True  # with ``quantize``: the embedding table too (GatherBlockQuantized)
+    # one ONNX ``Attention`` node per layer instead of ~18 decomposed ops (draft graphs: float32
+    # sums, opset 23); see GraphBuilder._fused_attention
+    fused_attention: bool = False
 
 
 class TensorWriter:
@@ -243,7 +247,14 @@ class GraphBuilder:
         self.w = weights
         self.opt = options
         self.bits = QUANT_BITS[options.quantize] if options.quantize else None
-        self.g = _Graph(GRAPH_DTYPES[options.dtype], options.opset, writer)
+        # one ONNX Attention node per layer (draft graphs): needs the contrib op set's company
+        # (not portable) and float32 sums (the target's float64 ones are what makes it exact)
+        self._fused_attn = options.fused_attention
+        if options.fused_attention and (not options.fused or options.attention_accumulation != "native"):
+            raise ValueError("fused_attention needs fused=True and attention_accumulation='native' "
+                             "(the portable op set stays plain ONNX; float64 sums are the decomposed graph's)")
+        opset = max(options.opset, FUSED_ATTENTION_OPSET) if options.fused_attention else options.opset
+        self.g = _Graph(GRAPH_DTYPES[options.dtype], opset, writer)
 
     # -- small emitters --------------------------------------------------------------------
     def _quantized(self, w: np.ndarray, hint: str) -> tuple[str, str]:
@@ -428,7 +439,7 @@ class GraphBuilder:
         elif g.np_dtype != np.float32:
             mask = g.op("Cast", [mask], "mask_cast", to=g.onnx_dtype)
         grp = self.spec.num_heads // self.spec.num_kv_heads
-        if grp > 1:  # rows ordered (group, seq): tile the [S, T] mask once per group
+        if grp > 1 and not self._fused_attn:  # rows ordered (group, seq): tile the [S, T] mask once per group
             mask = g.op("Tile", [mask, g.shape([1, 1, grp, 1], "tile")], "mask_tiled")
         self._masks[window] = mask
         return mask
@@ -472,6 +483,30 @@ class GraphBuilder:
             ctx = g.op("Transpose", [ctx], hint + "_ctxt", perm=[0, 3, 1, 2, 4])  # [B,S,Hkv,G,D]
         return g.op("Reshape", [ctx, g.shape([0, 0, h * d])], hint + "_merged")
 
+    def _fused_attention(self, q: str, k: str, v: str, layer: int, mask: str, hint: str) -> str:
+        """Attention as one ONNX ``Attention`` node (opset 23; ONNX Runtime's CPU kernel since 1.23).
+
+        Draft graphs only (``GraphOptions.fused_attention``): the kernel sums over keys in float32,
+        in its own grouping, so tree rows are not bit-identical to sequential rows (the target's
+        float64 sums are, see :meth:`_attention`); a draft's numbers only decide what is proposed.
+        The contract is unchanged: past K/V stay sequence-major ``[B, P, Hkv, D]`` and are joined
+        with the new rows as ``[B, P+S, Hkv*D]`` (a 3-D K/V is read as ``[B, T, Hkv, D]``, so the
+        reshapes move no data); the additive ``[B, 1, S, T]`` mask (causal, chain, tree, per-layer
+        windows, padded batch rows) is the op's ``attn_mask`` as is, broadcast over heads; grouped
+        K/V heads are the op's ``kv_num_heads`` (no repeat); the attention scale stays folded into
+        the query weights (``scale=1``) and Gemma 2's soft-cap is the op's ``softcap``.
+        """
+        g, s = self.g, self.spec
+        hkv, d = s.num_kv_heads, s.head_dim
+        flat = g.shape([0, 0, hkv * d])
+        k_all = g.op("Reshape", [g.op("Concat", [f"past_key.{layer}", f"new_key.{layer}"], hint + "_k4", axis=1), flat],
+                     hint + "_k_all")
+        v_all = g.op("Reshape", [g.op("Concat", [f"past_value.{layer}", f"new_value.{layer}"], hint + "_v4", axis=1),
+                                 flat], hint + "_v_all")
+        attrs = {"softcap": float(s.attn_softcap)} if s.attn_softcap else {}
+        return g.op("Attention", [q, k_all, v_all, mask], hint, q_num_heads=s.num_heads, kv_num_heads=hkv,
+                    scale=1.0, **attrs)
+
     # -- whole model -------------------------------------------------------------------------
     def build(self) -> onnx.ModelProto:
         s, g, w = self.spec, self.g, self.w
@@ -504,7 +539,8 @@ class GraphBuilder:
         ropes = s.layer_rope or ["default"] * s.num_layers
 
         scale = s.attention_scale if s.attention_scale is not None else 1.0 / np.sqrt(d)
-        q_fold = scale / s.attn_softcap if s.attn_softcap else scale  # tanh(q.k * scale / c) * c
+        # tanh(q.k * scale / c) * c: 1/c folded into q too, unless the fused op applies the soft-cap
+        q_fold = scale / s.attn_softcap if s.attn_softcap and not self._fused_attn else scale
         residual, pending = x, None
         for i, lw in enumerate(w.layers):
             p = f"l{i}"
@@ -546,10 +582,14 @@ class GraphBuilder:
             kv_shape = g.shape([0, 0, hkv, d])
             g.op("Reshape", [k, kv_shape], outputs=[f"new_key.{i}"])
             g.op("Reshape", [v, kv_shape], outputs=[f"new_value.{i}"])
-            k_all = g.op("Concat", [f"past_key.{i}", f"new_key.{i}"], p + "_k_all", axis=1)
-            v_all = g.op("Concat", [f"past_value.{i}", f"new_value.{i}"], p + "_v_all", axis=1)
-            attn = self._attention(q, k_all, v_all, self._mask(windows[i]), p + "_attn")
-            attn = self._linear(attn, lw.o_w, lw.o_b, p + "_o")
+            if self._fused_attn:
+                attn = self._fused_attention(q, k, v, i, self._mask(windows[i]), p + "_attn")
+                attn = self._linear(attn, lw.o_w, lw.o_b, p + "_o")
+            else:
+                k_all = g.op("Concat", [f"past_key.{i}", f"new_key.{i}"], p + "_k_all", axis=1)
+                v_all = g.op("Concat", [f"past_value.{i}", f"new_value.{i}"], p + "_v_all", axis=1)
+                attn = self._attention(q, k_all, v_all, self._mask(windows[i]), p + "_attn")
+                attn = self._linear(attn, lw.o_w, lw.o_b, p + "_o")
             if lw.post_attn_norm_w is not None:
                 attn, _ = self._norm(attn, None, lw.post_attn_norm_w, None, p + "_post_attn_norm")
 
@@ -574,14 +614,17 @@ class GraphBuilder:
                                   g.const(np.array(s.final_softcap), "final_softcap")], "logits_capped")
         if g.np_dtype != np.float32:
             logits = g.op("Cast", [logits], "logits_cast", to=TensorProto.FLOAT)
-        g.op("Identity", [logits], outputs=["logits"])
+        if self._fused_attn and g.nodes[-1].output[0] == logits:
+            g.nodes[-1].output[0] = "logits"  # the last node writes the output (no Identity)
+        else:
+            g.op("Identity", [logits], outputs=["logits"])
 
         graph = helper.make_graph(g.nodes, f"specdec_{s.family}", inputs, outputs, g.inits)
-        opsets = [helper.make_opsetid("", self.opt.opset)]
+        opsets = [helper.make_opsetid("", g.opset)]
         if self.opt.fused or g.uses_ms_domain:
             opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
         model = helper.make_model(graph, opset_imports=opsets, producer_name="specdec-rt")
-        model.ir_version = 8 if self.opt.opset <= 17 else 9
+        model.ir_version = 8 if g.opset <= 17 else (9 if g.opset <= 20 else helper.find_min_ir_version_for(opsets[:1]))
         return model
 
     # -- embedding and LM head -------------------------------------------------------------------
@@ -729,6 +772,7 @@ class WrittenGraph:
     num_nodes: int
     size_bytes: int
     unquantized_bytes: int  # the initializers' size had nothing been quantized
+    opset: int = 17  # the default domain's opset of the graph written
 
 
 def write_model(spec: ArchSpec, weights: ModelWeights, options: GraphOptions, path: str) -> WrittenGraph:
@@ -755,4 +799,4 @@ def write_model(spec: ArchSpec, weights: ModelWeights, options: GraphOptions, pa
     g = builder.g
     return WrittenGraph(files=[path, data_path], sha256=digests, num_params=g.num_params, num_nodes=len(model.graph.node),
                         size_bytes=os.path.getsize(path) + os.path.getsize(data_path),
-                        unquantized_bytes=g.unquantized_bytes)
+                        unquantized_bytes=g.unquantized_bytes, opset=g.opset)

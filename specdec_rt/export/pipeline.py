@@ -44,6 +44,9 @@ class ExportOptions:
     opset: int = 17
     max_context: int | None = None
     portable: bool = False
+    # the draft's attention as one ONNX Attention node per layer (opset 23, float32 sums); never
+    # for the target (float64 sums) nor with ``portable``; False: the decomposed attention
+    draft_fused_attention: bool = True
     validate: bool = True
     progress: bool = True
     # with ``quantize``: store the embedding table quantized too (False: in the graph dtype, as
@@ -468,6 +471,14 @@ def attention_accumulation(role: str, portable: bool) -> str:
     return "fp64" if role == "target" and not portable else "native"
 
 
+def fused_attention(role: str, portable: bool, draft_fused_attention: bool = True) -> bool:
+    """One ONNX ``Attention`` node per layer (GraphBuilder._fused_attention) for the draft only:
+    its kernel sums over keys in float32 in its own grouping, which the target cannot afford
+    (tree rows must equal sequential rows bit for bit) and the draft can (the target verifies every
+    token it proposes). The portable op set keeps plain ops for TensorRT and other providers."""
+    return role == "draft" and not portable and draft_fused_attention
+
+
 # -- one model --------------------------------------------------------------------------------------
 
 def process_peak_rss() -> int:
@@ -508,6 +519,7 @@ def export_model(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, role
     stages.start(f"build {role}")
     graph_opts = GraphOptions(dtype=options.dtype, opset=options.opset, fused=not options.portable,
                               attention_accumulation=attention_accumulation(role, options.portable),
+                              fused_attention=fused_attention(role, options.portable, options.draft_fused_attention),
                               quantize=quant, quantize_embedding=options.quantize_embedding)
     path = out / "model.onnx"
     written = write_model(spec, weights, graph_opts, str(path))
@@ -544,9 +556,10 @@ def export_model(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, role
         "sliding_window": spec.sliding_window,  # the runtime's masks apply it (every layer)
         "graph_windows": spec.layer_windows,  # per-layer windows the graph applies itself; informational
         "quantization": quant,
-        "opset": options.opset,
+        "opset": written.opset,
         "fused_ops": not options.portable,
         "attention_accumulation": graph_opts.attention_accumulation,
+        "fused_attention": graph_opts.fused_attention,
         "num_parameters": written.num_params,
         "num_nodes": written.num_nodes,
         "size_bytes": written.size_bytes,

@@ -42,6 +42,7 @@ class ModelInfo:
     quantization: str | None = None
     opset: int = 17
     fused_ops: bool = True
+    fused_attention: bool = False  # one ONNX Attention node per layer (opset 23; drafts since issue 12)
     num_parameters: int = 0
     validation: dict = field(default_factory=dict)
     source: dict = field(default_factory=dict)

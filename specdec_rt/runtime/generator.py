@@ -629,8 +629,10 @@ def load(bundle: str | os.PathLike, provider: str = "cpu", draft_provider: str |
          max_batch: int | None = None, overlap: bool = False) -> Generator:
     """Load a bundle. ``provider``: "cpu" | "cuda" | "tensorrt"; the draft may use another one.
 
-    ``io_binding``: bind the KV buffers by pointer (default on GPUs; on CPU the default feeds
-    zero-copy views, measured faster for small models). ``max_context``: positions (prompt plus
+    ``io_binding``: bind the KV buffers by pointer (default on GPUs; on CPU the default feeds the
+    target zero-copy views, measured faster for small models, and the draft through persistent
+    bindings of its past in 32-position windows, docs/design.md; False: views for both, True:
+    per-call bindings for both). ``max_context``: positions (prompt plus
     generation) to preallocate K/V for; default min(bundle's context, 4096), never more than the
     bundle's (``max_length`` is its older name, still accepted). ``threads``: intra-op threads of the
     target (default: the cores); ``draft_threads``: of the draft (default 1, measured fastest
