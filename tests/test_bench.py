@@ -77,3 +77,21 @@ def test_graph_timing_interleaves_and_scales_repeats():
     assert calls[:10] == ["a"] * 5 + ["b"] * 5 and calls.count("a") == calls.count("b") >= 10
     assert _reps_for({"x": lambda: None}, 30) == 500
     assert _reps_for({"x": lambda: time.sleep(0.05)}, 30) == 30
+
+
+def test_bench_overlap_rows(tiny_pair, tmp_path):
+    """--overlap adds overlapped chains (every K and auto), exact, with their look-ahead hit rate
+    and an ideal that counts only the drafting of steps whose look-ahead missed."""
+    out = tmp_path / "bench"
+    rc = main(["--bundle", str(tiny_pair["bundle"]), "--max-new-tokens", "12", "--num-prompts", "2",
+               "--k", "1,3", "--no-tree", "--drafter", "model", "--repeats", "1", "--overlap",
+               "--out", str(out), "--quiet"])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    rows = {r["name"]: r for r in res["rows"]}
+    assert {"model K=1 overlap", "model K=3 overlap", "model K=auto overlap", "model K=1"} <= set(rows)
+    assert all(r["identical_to_target_only"] for r in rows.values())
+    assert rows["model K=1 overlap"]["overlap"] and 0 <= rows["model K=1 overlap"]["lookahead_hit_rate"] <= 1
+    assert rows["model K=1"]["lookahead_hit_rate"] is None
+    assert res["settings"]["thread_pools"] == "per-session"
+    assert "look-ahead hits" in (out / "results.md").read_text()
