@@ -89,7 +89,8 @@ def test_bench_overlap_rows(tiny_pair, tmp_path):
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
     rows = {r["name"]: r for r in res["rows"]}
-    assert {"model K=1 overlap", "model K=3 overlap", "model K=auto overlap", "model K=1"} <= set(rows)
+    assert {"model K=1 overlap", "model K=3 overlap", "model K=auto overlap", "model K=1",
+            "target-only (non-spinning pool)"} <= set(rows)
     assert all(r["identical_to_target_only"] for r in rows.values())
     assert rows["model K=1 overlap"]["overlap"] and 0 <= rows["model K=1 overlap"]["lookahead_hit_rate"] <= 1
     assert rows["model K=1"]["lookahead_hit_rate"] is None
