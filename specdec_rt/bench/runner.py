@@ -177,6 +177,9 @@ def run_bench(cfg: BenchConfig) -> dict:
     t_curve = measure_engine(gen.target, list(range(1, 17)), past=128, reps=7, clock=clock)
     draft_step = measure_engine(gen.draft_engine, [1], past=128, reps=15, clock=clock)[0] if gen.draft_engine else 0.0
     t1 = t_curve[0]
+    # the overlapped generator's target session (no spinning) has its own curve
+    t_curve_ov = (measure_engine(gen_overlap.target, list(range(1, 17)), past=128, reps=7, clock=clock)
+                  if gen_overlap is not None else None)
 
     bar = None
     total = len(prompts) * cfg.repeats * len(specs)
@@ -226,6 +229,9 @@ def run_bench(cfg: BenchConfig) -> dict:
         draft_calls = sum(s.draft_calls for s in stats) / max(1, calls)
         mean_s = 1 + sum(sum(s.draft_lengths) for s in stats) / max(1, calls)
         t_ratio = float(np.interp(mean_s, np.arange(1, 17), t_curve)) / t1
+        if spec.overlap and t_curve_ov is not None:  # its verify calls, in the baseline's T(1) units
+            base_t1 = t_curve_ov[0] if speed_base is acc.get(NO_SPIN) else t1
+            t_ratio = float(np.interp(mean_s, np.arange(1, 17), t_curve_ov)) / base_t1
         step_c = c if spec.drafter == "model" else (
             sum(s.time_draft for s in stats) / max(1, calls) / t1)
         tps = a["tokens"] / a["seconds"]
@@ -277,6 +283,7 @@ def run_bench(cfg: BenchConfig) -> dict:
                      "thread_pools": "per-session" if cfg.overlap else "process-wide (shared)"},
         "target_time_curve": {"S": list(range(1, 17)), "seconds": t_curve,
                               "ratio": [t / t1 for t in t_curve]},
+        "target_time_curve_overlap": t_curve_ov,
         "draft_step_seconds": draft_step,
         "c": c,
         "predicted_speedup": predicted_speedups(c, t_curve) if gen.draft_engine else [],
