@@ -180,3 +180,27 @@ def test_policy_learns_the_overlapped_regime():
     assert ov.step_time(4) < seq.step_time(4)
     assert best(0.1, 0.9, 0.05, True) < best(0.1, 0.9, 0.05, False)  # cheap draft: survive more often
     assert best(0.5, 0.95, 0.1, True) > best(0.5, 0.95, 0.1, False)  # costly draft: hide more of it
+
+
+def test_native_target_attention_is_exact_for_chains_and_refuses_trees(tiny_pair, tmp_path):
+    """--target-attention native: float32 sums in the target (faster), chains still token-identical
+    (overlapped or not), trees refused with a clear error rather than run inexactly."""
+    from specdec_rt.cli.export_cli import main as export_main
+    from specdec_rt.export.pipeline import ExportOptions, export_pair
+
+    out = tmp_path / "native"
+    manifest = export_pair(tiny_pair["target"], tiny_pair["draft"], out,
+                           ExportOptions(progress=False, target_attention="native"))
+    assert manifest["models"]["target"]["attention_accumulation"] == "native"
+    gen = specdec_rt.load(out, threads=1)
+    assert not gen.exact_trees
+    for p in PROMPTS[:3]:
+        base = gen.generate(p, max_new_tokens=30, drafter=None, ignore_eos=True, temperature=0).token_ids
+        for ov in (False, True):
+            assert gen.generate(p, max_new_tokens=30, num_draft_tokens=3, ignore_eos=True, temperature=0,
+                                overlap=ov).token_ids == base
+    with pytest.raises(GenerationInputError, match="--target-attention fp64"):
+        gen.generate(PROMPTS[0], max_new_tokens=8, speculation="tree")
+    assert specdec_rt.load(tiny_pair["bundle"], threads=1).exact_trees  # the default export
+    with pytest.raises(SystemExit):
+        export_main(["--target", str(tiny_pair["target"]), "--out", str(tmp_path / "x"), "--target-attention", "fp32"])

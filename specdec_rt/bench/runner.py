@@ -159,6 +159,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     limit = gen.max_length - cfg.max_new_tokens - 1
     prompts = [p[-limit:] for p in prompts]
     probed_rows = getattr(gen.target, "min_rows", 1)
+    if not gen.exact_trees:  # float32 target attention: trees are refused (not token-identical)
+        cfg.tree = False
     specs = [] if cfg.graphs_only else _specs(cfg, gen.draft_engine is not None, probed_rows)
 
     def run(spec: RunSpec, ids: list[int], **kw) -> tuple[list[int], object]:

@@ -33,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--draft-plain-attention", action="store_true",
                     help="the draft's attention as decomposed ops (MatMul/Softmax/...) instead of one ONNX "
                          "Attention node per layer (opset 23, ONNX Runtime >= 1.23); --portable implies it")
+    ap.add_argument("--target-attention", default="fp64", choices=["fp64", "native"],
+                    help="fp64 (default): the target sums attention in float64, so tree verification is "
+                         "token-identical to target-only decoding; native: float32 sums, faster target calls "
+                         "(~1.25x on small models), exact for chains only (trees are then refused at run time)")
     ap.add_argument("--trt", action="store_true", help="also build native TensorRT engines (needs tensorrt)")
     ap.add_argument("--no-validate", action="store_true", help="skip the ORT-vs-PyTorch validation")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -64,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype, quantize=args.quantize,
             quantize_roles=tuple(r.strip() for r in args.quantize_models.split(",") if r.strip()),
             opset=args.opset, max_context=args.max_context, portable=args.portable or args.trt,
-            draft_fused_attention=not args.draft_plain_attention,
+            draft_fused_attention=not args.draft_plain_attention, target_attention=args.target_attention,
             validate=not args.no_validate, progress=not args.quiet, quantize_embedding=not args.float_embedding,
         )
         manifest = export_pair(args.target, args.draft, args.out, opts)

@@ -174,6 +174,13 @@ class Generator:
                 "which specdec-rt does not apply (it applies temperature, top_k, top_p, do_sample and "
                 "the EOS ids)", stacklevel=3)
 
+    @property
+    def exact_trees(self) -> bool:
+        """Whether tree verification is token-identical to target-only decoding: the target sums
+        attention in float64 (docs/design.md, "Exactness, bit for bit"). Chains are exact either way."""
+        target = self.bundle.manifest.get("models", {}).get("target", {})
+        return target.get("attention_accumulation") == "fp64"
+
     # -- argument checks ----------------------------------------------------------------------
     def _prompt_ids(self, prompt: str | Sequence[int] | np.ndarray) -> list[int]:
         if isinstance(prompt, str):
@@ -278,6 +285,11 @@ class Generator:
 
             if not isinstance(d, ModelDrafter):
                 raise GenerationInputError("speculation='tree' needs drafter='model'")
+            if not self.exact_trees:
+                raise GenerationInputError(
+                    "this bundle's target sums attention in float32 (exported with --portable or "
+                    "--target-attention native), so tree verification would not be token-identical to "
+                    "target-only decoding; use speculation='chain' or re-export with --target-attention fp64")
             if isinstance(tree_shape, Template):
                 inner = run_tree(self.target, d, prompt_ids, cfg, rng, stats, policy=FixedTemplate(tree_shape))
             elif num_draft_tokens == "auto" and tree_shape is None:
