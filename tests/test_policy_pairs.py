@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 import specdec_rt
-from specdec_rt.runtime.policy import CostModel
+from specdec_rt.runtime.policy import AdaptivePolicy, CostModel
 
 PROMPTS = ["def add(a, b):", "for i in range(", "class Stack:\n    def", "import os\nimport",
            "x = [1, 2, 3]\nprint(", "while True:\n    ", "if x is None:\n", "return self."]
@@ -33,11 +33,13 @@ def modelled_rate(stats_list, cost: CostModel) -> float:
 
 @pytest.mark.parametrize("bundle_key", ["bundle", "bundle_same"])
 @pytest.mark.parametrize("cost_name", list(COSTS))
-def test_auto_reaches_the_best_fixed_k_on_unseen_pairs(tiny_pair, bundle_key, cost_name):
+def test_auto_reaches_the_best_fixed_k_on_unseen_pairs(tiny_pair, bundle_key, cost_name, monkeypatch):
     slope, c = COSTS[cost_name]
     cost = CostModel([1.0 + slope * s for s in range(16)], c)
     gen = specdec_rt.load(tiny_pair[bundle_key], threads=1)
     gen._cost_model = cost  # injected: make_policy uses it instead of measuring
+    # the costs are modelled, so the policy must not calibrate them against real draft timings
+    monkeypatch.setattr(AdaptivePolicy, "observe_step", lambda self, k, seconds, width=1: None)
 
     def run(k):
         out = []
@@ -50,3 +52,15 @@ def test_auto_reaches_the_best_fixed_k_on_unseen_pairs(tiny_pair, bundle_key, co
     fixed = {k: modelled_rate(run(k) * 2, cost) for k in (0, 1, 2, 3, 4, 6, 8, 10)}
     best = max(fixed, key=fixed.get)
     assert auto >= 0.95 * fixed[best], (cost_name, bundle_key, auto, fixed)
+
+
+def test_step_overhead_is_learned_and_favours_longer_blocks():
+    """observe_step folds what the micro-benchmarks miss (a fixed cost per step) into the model,
+    which makes longer blocks pay: K grows."""
+    cost = CostModel([1.0 + 0.08 * s for s in range(16)], 0.3)
+    policy = AdaptivePolicy(cost, accept=[0.85] * 12)
+    k_before = policy.best_k()
+    for _ in range(200):  # every step took 0.8 T(1) more than modelled
+        policy.observe_step(4, policy.model_step_time(4) + 0.8)
+    assert 0.75 < policy.step_overhead <= 0.8
+    assert policy.best_k() > k_before

@@ -148,6 +148,14 @@ class AdaptivePolicy:
     use_confidence_stop: bool = False
     last_k: int = 0
     overlap: bool = False  # drafting hidden behind verification on look-ahead hits
+    # per-step cost of drafting steps that the micro-benchmarks do not see (EMA of measured step
+    # time minus the model's): the loop's drafting bookkeeping and, above all, switching models
+    # (each model's weights evicted from the caches by the other's calls); target-only steps
+    # (K = 0) do not pay it. It does not grow with K, so it favours longer blocks;
+    # measured on a 6-layer int8 self-draft pair, where it made the difference between "auto"
+    # stopping at K = 3-5 and reaching the best fixed K (8-10)
+    step_overhead: float = 0.0
+    clock: object = time.perf_counter  # the cost model's clock, for observe_step's timings
     _idle: int = 0
     _backoff: int = 1  # probe interval multiplier while K = 0
     _tested: int = 0  # positions with at least one observation
@@ -160,6 +168,10 @@ class AdaptivePolicy:
     def step_time(self, k: int, width: int = 1) -> float:
         """One step of ``width`` sequences drafting ``k`` tokens each: k draft calls, one verify
         (with overlap, the k draft calls only when the last look-ahead missed)."""
+        return (self.step_overhead if k > 0 else 0.0) + self.model_step_time(k, width)
+
+    def model_step_time(self, k: int, width: int = 1) -> float:
+        """:meth:`step_time` from the micro-benchmarked costs alone."""
         drafting = k * self.cost.draft(width)
         if self.overlap:
             drafting *= 1.0 - hit_probability(self.accept, k)
@@ -170,10 +182,11 @@ class AdaptivePolicy:
         sequence expects the same tokens per step, so the batch's rate is ``width`` times it)."""
         ks = np.arange(self.k_max + 1)
         tokens = 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(self.accept[: self.k_max]))])
-        times = None if self.overlap else self._step_times.get(width)
+        key = (width, round(self.step_overhead / max(self.cost.target(1, width), 1e-12), 2))
+        times = None if self.overlap else self._step_times.get(key)
         if times is None:  # costs are fixed once measured: tabulate them once per width
             # (with overlap the step time depends on the acceptance estimates: every time)
-            times = self._step_times[width] = np.array([self.step_time(int(k), width) for k in ks])
+            times = self._step_times[key] = np.array([self.step_time(int(k), width) for k in ks])
         return int(np.argmax(tokens / times))
 
     def update(self, proposed: int, accepted: int) -> None:
@@ -191,6 +204,16 @@ class AdaptivePolicy:
             self._tested = max(self._tested, j + 1)
         for j in range(self._tested, self.k_max):
             self.accept[j] = self.accept[self._tested - 1]
+
+    def observe_step(self, k: int, seconds: float, width: int = 1) -> None:
+        """One whole step (draft, verify, accept) of ``width`` rows drafting ``k`` tokens took
+        ``seconds`` (policy clock): fold what the micro-benchmarked model missed into
+        :attr:`step_overhead` (clipped to [0, 2 T(1)], so one descheduled step cannot swamp it)."""
+        if k <= 0:  # no drafting, no model switch: nothing to learn about drafting steps
+            return
+        t1 = self.cost.target(1, width)
+        residual = float(np.clip(seconds - self.model_step_time(k, width), 0.0, 2.0 * t1))
+        self.step_overhead = 0.95 * self.step_overhead + 0.05 * residual
 
     def confidence_floor(self) -> float:
         """Stop drafting when prod(draft top-prob) falls below this: the expected gain of one
@@ -248,7 +271,7 @@ def make_policy(generator, drafter: str | None, max_width: int = 1, overlap: boo
             measure_width(cost, generator.target, draft, width, clock=clock)
     if drafter != "model":  # prompt lookup: drafting costs (next to) nothing
         cost = CostModel(cost.target_times, 0.0, {b: (t, 0.0) for b, (t, _) in cost.widths.items()})
-    policy = cache.setdefault(key, AdaptivePolicy(cost, overlap=bool(overlap)))
+    policy = cache.setdefault(key, AdaptivePolicy(cost, overlap=bool(overlap), clock=clock))
     policy.cost = cost  # possibly with more widths than when the policy was made
     policy._step_times = {}
     return policy

@@ -248,6 +248,8 @@ def _step(target: OrtEngine, drafter: Drafter | None, rows: list[Row], k: int,
     ks = [max(0, min(k, r.cfg.max_new_tokens - r.generated - 1, target.max_len - target.lengths[r.seq] - 1))
           for r in rows]
     proposals: list[tuple[list[int], np.ndarray | None]] = [([], None)] * len(rows)
+    observe = getattr(policy, "observe_step", None)  # calibrates the policy to what steps cost here
+    step_t0 = policy.clock() if observe is not None else 0.0
     if drafter is not None and any(ks):
         t0 = time.perf_counter()
         proposals = _draft(drafter, rows, ks)
@@ -298,6 +300,8 @@ def _step(target: OrtEngine, drafter: Drafter | None, rows: list[Row], k: int,
         elif target.lengths[r.seq] + 1 >= target.max_len:
             r.finished = "context"
         out.append(new)
+    if observe is not None:
+        observe(max(len(d) for d, _ in proposals), policy.clock() - step_t0, len(rows))
     return out
 
 
