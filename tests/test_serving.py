@@ -730,6 +730,7 @@ def test_batch_scheduler_forgets_finished_rows_under_steady_load(tiny_gen):
                 assert [e.kind async for e in job.events()][-1] == "done"
                 refs.append(weakref.ref(job))
                 del job
+            await asyncio.sleep(0.3)  # a few more steps: the worker's loop variables move on
             gc.collect()
             alive = sum(r() is not None for r in refs)
             assert sched.running, "the long request should still be decoding"

@@ -287,8 +287,8 @@ class Generator:
                 raise GenerationInputError("speculation='tree' needs drafter='model'")
             if not self.exact_trees:
                 raise GenerationInputError(
-                    "this bundle's target sums attention in float32 (exported with --portable or "
-                    "--target-attention native), so tree verification would not be token-identical to "
+                    "this bundle's target sums attention in float32 (exported with --portable, "
+                    "--target-attention native, or by an older specdec-rt), so tree verification would not be token-identical to "
                     "target-only decoding; use speculation='chain' or re-export with --target-attention fp64")
             if isinstance(tree_shape, Template):
                 inner = run_tree(self.target, d, prompt_ids, cfg, rng, stats, policy=FixedTemplate(tree_shape))

@@ -81,6 +81,18 @@ class Job:
         self._finished = False  # the worker (or the queue) has posted the terminal event
         self.deadline = None if self.spec.timeout is None else self.arrival + self.spec.timeout
         self._on_cancel = None  # set by the scheduler: removes a waiting job from its queue
+        self.cancel_reason: str | None = None
+
+    def timed_out(self, now: float) -> bool:
+        """The deadline passed at ``now``, or the reader already gave up on it: asyncio's timer may
+        fire a clock tick before the worker's clock reaches the deadline, and the job must then
+        still end as a deadline, not as a client's cancellation."""
+        return self.deadline is not None and (now >= self.deadline or self.cancel_reason == "deadline")
+
+    def cancelled_outcome(self) -> Event:
+        """The terminal event of a job found cancelled: a deadline error if the reader cancelled it
+        for its deadline (set just after the worker's own deadline check), else ``cancelled``."""
+        return deadline_error(self) if self.cancel_reason == "deadline" else Event("cancelled")
 
     # -- worker side (any thread) ----------------------------------------------------------------
     def post(self, event: Event) -> None:
@@ -99,6 +111,7 @@ class Job:
         ``reason`` labels a job dropped from the queue in the metrics ("abort", "deadline")."""
         if self._cancel.is_set():
             return
+        self.cancel_reason = reason
         self._cancel.set()
         if self._on_cancel is not None:
             self._on_cancel(self, reason)
@@ -234,15 +247,15 @@ class SerialScheduler:
 
         metrics = self.metrics
         job.started = time.monotonic()
-        if job.deadline is not None and job.started >= job.deadline:  # first: the reader cancels a
+        if job.timed_out(job.started):  # first: the reader cancels a
             job.post(deadline_error(job))  # job whose deadline passed
             if metrics is not None:
                 metrics.finished("deadline")
             return
         if job.cancelled:
-            job.post(Event("cancelled"))
+            job.post(job.cancelled_outcome())
             if metrics is not None:
-                metrics.finished("abort")
+                metrics.finished("deadline" if job.cancel_reason == "deadline" else "abort")
             return
         if metrics is not None:
             metrics.queue_time(job.started - job.arrival)
@@ -263,11 +276,11 @@ class SerialScheduler:
                     metrics.inter_token((now - last) / n, n)
                 last = now
                 job.post(Event("piece", text=piece, tokens=n))
-                if job.deadline is not None and now >= job.deadline:
+                if job.timed_out(now):
                     outcome = deadline_error(job)
                     break
                 if job.cancelled:
-                    outcome = Event("cancelled")
+                    outcome = job.cancelled_outcome()
                     break
         except USER_ERRORS as exc:  # bad arguments found by the runtime (checked at the first step)
             outcome = Event("error", status=400, message=str(exc), code="invalid_request")
@@ -418,10 +431,10 @@ class BatchScheduler(SerialScheduler):
         job.started = time.monotonic()
         result = GenerationResult("", [], GenerationStats())
         outcome = None
-        if job.deadline is not None and job.started >= job.deadline:  # before cancelled: the reader
+        if job.timed_out(job.started):  # before cancelled: the reader
             outcome = deadline_error(job)  # cancels a job whose deadline passed
         elif job.cancelled:
-            outcome = Event("cancelled")
+            outcome = job.cancelled_outcome()
         else:
             if metrics is not None:
                 metrics.queue_time(job.started - job.arrival)
@@ -515,10 +528,10 @@ class BatchScheduler(SerialScheduler):
                     res.finish_reason = gen._finish_reason(text, len(row.prompt), len(res.token_ids),
                                                            row.cfg.max_new_tokens)
                     outcome = Event("done", result=res)
-                elif job.deadline is not None and now >= job.deadline:
+                elif job.timed_out(now):
                     outcome = deadline_error(job)
                 elif job.cancelled:
-                    outcome = Event("cancelled")
+                    outcome = job.cancelled_outcome()
                 if outcome is not None:
                     row.finished = row.finished or "cancelled"  # leaves before the next step
                     self._end(st, outcome)
