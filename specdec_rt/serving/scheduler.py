@@ -226,21 +226,28 @@ class SerialScheduler:
             self.metrics.finished(reason)
 
     def _work(self) -> None:
+        """The worker: wait for work, take it (:meth:`_take`, under the lock), run it; until
+        stopped and drained."""
         while True:
             with self._cond:
                 while not self._waiting and not self._stopped:
                     self._cond.wait()
                 if not self._waiting:
                     return  # stopped and drained
-                job = self._waiting.popleft()
-                self._running = job
+                task = self._take()
             try:
-                self._run(job)
+                task()
             except BaseException:  # noqa: BLE001 - never let the worker die
                 log.error("worker failed outside a generation:\n%s", traceback.format_exc())
             finally:
                 with self._cond:
                     self._running = None
+
+    def _take(self):
+        """The next piece of work from a non-empty queue (called with the lock held): the head job."""
+        job = self._waiting.popleft()
+        self._running = job
+        return lambda: self._run(job)
 
     def _run(self, job: Job) -> None:
         from specdec_rt.runtime.generator import GenerationResult, GenerationStats
@@ -368,33 +375,18 @@ class BatchScheduler(SerialScheduler):
             return None  # let the serial path report it
         return (k, opts["drafter"])
 
-    def _work(self) -> None:
-        while True:
-            with self._cond:
-                while not self._waiting and not self._stopped:
-                    self._cond.wait()
-                if not self._waiting:
-                    return  # stopped and drained
-                head = self._waiting[0]
-                key = self.group_key(head.spec)
-                if key is None:
-                    self._waiting.popleft()
-                    self._running = head
-            try:
-                if key is None:
-                    self._run(head)
-                else:
-                    self._run_group(key)
-            except BaseException:  # noqa: BLE001 - never let the worker die
-                log.error("worker failed outside a generation:\n%s", traceback.format_exc())
-            finally:
-                with self._cond:
-                    self._running = None
+    def _take(self):
+        """A request that must run alone (:meth:`group_key` None) runs as in the serial scheduler;
+        otherwise a batch of the head's settings starts and admits requests as it goes."""
+        key = self.group_key(self._waiting[0].spec)
+        if key is None:
+            return super()._take()
+        return lambda: self._run_group(key)
 
     def _group(self, key: tuple) -> tuple:
         if key not in self._groups:
             self._groups[key] = self.generator._speculation(key[0], key[1], "chain", self.max_batch,
-                                                                     self.generator.overlap)
+                                                            self.generator.overlap)
         return self._groups[key]
 
     def _source(self, key: tuple, states: dict):
