@@ -13,7 +13,6 @@ target-only decoding.
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -264,13 +263,6 @@ def plot(results: dict, out: Path) -> list[str]:
 
 
 def write(results: dict, out: Path) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "batch_results.json").write_text(json.dumps(results, indent=2, default=str))
-    md = markdown(results)
-    (out / "batch_results.md").write_text(md)
-    files = ["batch_results.json", "batch_results.md"]
-    try:
-        files += plot(results, out)
-    except ImportError:
-        print("matplotlib is not installed: no plots (pip install 'specdec-rt[bench]')")
-    return {"files": files, "markdown": md}
+    from specdec_rt.bench.report import write_outputs
+
+    return write_outputs(results, out, "batch_results", markdown, plot)

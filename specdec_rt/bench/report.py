@@ -145,13 +145,18 @@ def plots(results: dict, out: Path) -> list[str]:
 
 
 def write(results: dict, out: Path) -> dict:
+    return write_outputs(results, out, "results", markdown, plots)
+
+
+def write_outputs(results: dict, out: Path, stem: str, to_markdown, to_plots) -> dict:
+    """``<stem>.json``, ``<stem>.md`` and the plots (skipped without matplotlib) in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    md = markdown(results)
-    (out / "results.md").write_text(md)
-    files = ["results.json", "results.md"]
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=2, default=str))
+    md = to_markdown(results)
+    (out / f"{stem}.md").write_text(md)
+    files = [f"{stem}.json", f"{stem}.md"]
     try:
-        files += plots(results, out)
+        files += to_plots(results, out)
     except ImportError:
         print("matplotlib is not installed: no plots (pip install 'specdec-rt[bench]')")
     return {"files": files, "markdown": md}
