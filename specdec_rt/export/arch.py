@@ -198,6 +198,19 @@ def _lin(linear) -> tuple[np.ndarray, np.ndarray | None]:
     return _t(linear.weight), _np(getattr(linear, "bias", None))
 
 
+def _layernorm_layer(layer, q, k, v, o, up, down) -> LayerWeights:
+    """A layer with biased LayerNorms (``input_layernorm``, ``post_attention_layernorm``) and a
+    plain MLP; ``q`` ... ``down`` are (weight, bias) pairs in MatMul layout (StarCoder2, GPT-NeoX)."""
+    (q_w, q_b), (k_w, k_b), (v_w, v_b), (o_w, o_b), (up_w, up_b), (down_w, down_b) = q, k, v, o, up, down
+    return LayerWeights(
+        ln1_w=_np(layer.input_layernorm.weight), ln1_b=_np(layer.input_layernorm.bias),
+        q_w=q_w, k_w=k_w, v_w=v_w, q_b=q_b, k_b=k_b, v_b=v_b, o_w=o_w, o_b=o_b,
+        ln2_w=_np(layer.post_attention_layernorm.weight),
+        ln2_b=_np(layer.post_attention_layernorm.bias),
+        up_w=up_w, up_b=up_b, down_w=down_w, down_b=down_b,
+    )
+
+
 def _same_tensor(a, b) -> bool:
     """Two parameters share storage (tied embeddings)."""
     return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride())
@@ -573,19 +586,8 @@ def _starcoder2(model, family: str, max_positions: int) -> tuple[ArchSpec, Model
     def one_layer(i: int) -> LayerWeights:
         layer = inner.layers[i]
         attn, mlp = layer.self_attn, layer.mlp
-        q_w, q_b = _lin(attn.q_proj)
-        k_w, k_b = _lin(attn.k_proj)
-        v_w, v_b = _lin(attn.v_proj)
-        o_w, o_b = _lin(attn.o_proj)
-        up_w, up_b = _lin(mlp.c_fc)
-        down_w, down_b = _lin(mlp.c_proj)
-        return LayerWeights(
-            ln1_w=_np(layer.input_layernorm.weight), ln1_b=_np(layer.input_layernorm.bias),
-            q_w=q_w, k_w=k_w, v_w=v_w, q_b=q_b, k_b=k_b, v_b=v_b, o_w=o_w, o_b=o_b,
-            ln2_w=_np(layer.post_attention_layernorm.weight),
-            ln2_b=_np(layer.post_attention_layernorm.bias),
-            up_w=up_w, up_b=up_b, down_w=down_w, down_b=down_b,
-        )
+        return _layernorm_layer(layer, _lin(attn.q_proj), _lin(attn.k_proj), _lin(attn.v_proj),
+                                _lin(attn.o_proj), _lin(mlp.c_fc), _lin(mlp.c_proj))
 
     cos, sin = _rope_tables(model, rotary_dim, max_positions)
     weights = ModelWeights(
@@ -678,16 +680,8 @@ def _gpt_neox(model, family: str, max_positions: int) -> tuple[ArchSpec, ModelWe
         if b is not None:
             b = b.reshape(heads, 3, head_dim)
             q_b, k_b, v_b = (b[:, i].reshape(-1).copy() for i in range(3))
-        o_w, o_b = _lin(att.dense)
-        up_w, up_b = _lin(layer.mlp.dense_h_to_4h)
-        down_w, down_b = _lin(layer.mlp.dense_4h_to_h)
-        return LayerWeights(
-            ln1_w=_np(layer.input_layernorm.weight), ln1_b=_np(layer.input_layernorm.bias),
-            q_w=q_w, k_w=k_w, v_w=v_w, q_b=q_b, k_b=k_b, v_b=v_b, o_w=o_w, o_b=o_b,
-            ln2_w=_np(layer.post_attention_layernorm.weight),
-            ln2_b=_np(layer.post_attention_layernorm.bias),
-            up_w=up_w, up_b=up_b, down_w=down_w, down_b=down_b,
-        )
+        return _layernorm_layer(layer, (q_w, q_b), (k_w, k_b), (v_w, v_b), _lin(att.dense),
+                                _lin(layer.mlp.dense_h_to_4h), _lin(layer.mlp.dense_4h_to_h))
 
     # transformers 4.x calls the output projection embed_out, 5.x lm_head
     lm_head = model.embed_out if hasattr(model, "embed_out") else model.lm_head
