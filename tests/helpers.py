@@ -150,3 +150,37 @@ def make_chat_checkpoint(out_dir: Path, style: str, generation_config: dict | No
     if generation_config is not None:
         (out_dir / "generation_config.json").write_text(json.dumps(generation_config, indent=2))
     return out_dir
+
+
+def assert_runs_without(code: str, exact: tuple[str, ...] = (), prefixes: tuple[str, ...] = (),
+                        timeout: float = 120) -> None:
+    """Run ``code`` in a fresh interpreter; fail if afterwards a module named in ``exact``, or one
+    whose name starts with any of ``prefixes``, is loaded."""
+    import subprocess
+    import sys
+
+    check = (f"\nbad = [m for m in sys.modules if m in {exact!r} or m.startswith({prefixes!r})]\n"
+             "print('LOADED', bad)\nsys.exit(1 if bad else 0)\n")
+    proc = subprocess.run([sys.executable, "-c", "import sys\n" + code + check], capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# what the runtime (a Jetson's install) must never import: torch, transformers, onnx, the exporter
+RUNTIME_FORBIDDEN = dict(exact=("torch", "transformers", "onnx"),
+                         prefixes=("torch.", "transformers.", "onnx.", "specdec_rt.export"))
+
+
+def windowed_mistral_bundle(tmp_path: Path) -> tuple[Path, Path]:
+    """A tiny Mistral whose sliding window (6) is shorter than the tests' generations, exported
+    with itself as draft: (checkpoint, bundle)."""
+    from transformers import MistralConfig
+
+    from specdec_rt.export.pipeline import ExportOptions, export_pair
+
+    cfg = MistralConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        sliding_window=6, eos_token_id=0, bos_token_id=0, pad_token_id=0)
+    ckpt = make_checkpoint(cfg, tmp_path / "mistral")
+    export_pair(ckpt, ckpt, tmp_path / "bundle", ExportOptions(progress=False))
+    return ckpt, tmp_path / "bundle"

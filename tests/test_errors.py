@@ -1,24 +1,15 @@
 """The user-facing error classes live below both halves of the package; old paths still work."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 import specdec_rt.errors as E
+from helpers import assert_runs_without
 
 
 def test_errors_module_imports_neither_half():
-    code = (
-        "import sys, specdec_rt.errors\n"
-        "bad = [m for m in sys.modules if m.startswith(('specdec_rt.runtime', 'specdec_rt.export', "
-        "'numpy', 'onnxruntime', 'tokenizers', 'torch'))]\n"
-        "print(bad)\n"
-        "sys.exit(1 if bad else 0)\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert_runs_without("import specdec_rt.errors\n", timeout=60, prefixes=(
+        "specdec_rt.runtime", "specdec_rt.export", "numpy", "onnxruntime", "tokenizers", "torch"))
 
 
 @pytest.mark.parametrize("module, name", [

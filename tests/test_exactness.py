@@ -181,17 +181,11 @@ def test_adaptive_policy_grows_k_when_everything_is_accepted(tiny_pair):
 def test_sliding_window_matches_transformers(tmp_path):
     """Mistral with a window shorter than the generation: the runtime's masks apply it."""
     import specdec_rt
-    from transformers import MistralConfig
 
-    from helpers import make_checkpoint
-    from specdec_rt.export.pipeline import ExportOptions, export_pair
+    from helpers import windowed_mistral_bundle
 
-    cfg = MistralConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                        sliding_window=6, eos_token_id=0, bos_token_id=0, pad_token_id=0)
-    ckpt = make_checkpoint(cfg, tmp_path / "mistral")
-    export_pair(ckpt, ckpt, tmp_path / "bundle", ExportOptions(progress=False))
-    gen = specdec_rt.load(tmp_path / "bundle", threads=1)
+    ckpt, bundle = windowed_mistral_bundle(tmp_path)
+    gen = specdec_rt.load(bundle, threads=1)
     assert gen.target.info.sliding_window == 6
     prompt = PROMPTS[2]
     ref = hf_greedy(ckpt, prompt, 24)
