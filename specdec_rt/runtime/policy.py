@@ -38,6 +38,12 @@ from specdec_rt.runtime.engine import OrtEngine, causal_mask
 from specdec_rt.runtime.overlap import hit_probability
 
 
+def expected_chain_tokens(accept, k_max: int) -> np.ndarray:
+    """E[tokens | K] = 1 + sum_{i<=K} prod_{j<=i} a_j for K = 0..k_max (a chain's tokens per step
+    under per-position acceptance ``accept``)."""
+    return 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(accept[:k_max]))])
+
+
 @dataclass
 class CostModel:
     """Measured target time T(B, S) (B sequences of S new tokens each per call) and draft step
@@ -181,7 +187,7 @@ class AdaptivePolicy:
         """The K maximising expected tokens per second for a batch of ``width`` sequences (each
         sequence expects the same tokens per step, so the batch's rate is ``width`` times it)."""
         ks = np.arange(self.k_max + 1)
-        tokens = 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(self.accept[: self.k_max]))])
+        tokens = expected_chain_tokens(self.accept, self.k_max)
         key = (width, round(self.step_overhead / max(self.cost.target(1, width), 1e-12), 2))
         times = None if self.overlap else self._step_times.get(key)
         if times is None:  # costs are fixed once measured: tabulate them once per width
@@ -430,7 +436,7 @@ class TreePolicy:
         k_max = min(self.max_depth, n_max)
         targets = self._targets(self.max_nodes)
         ks = np.arange(k_max + 1)
-        tokens = 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(self.accept[:k_max]))])
+        tokens = expected_chain_tokens(self.accept, k_max)
         rates = tokens / (ks * self.draft_call(1) + targets[ks])
         k = int(np.argmax(rates))  # the first maximum: the shortest of equals
         return float(rates[k]), self.chain(k)
