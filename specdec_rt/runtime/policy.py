@@ -218,7 +218,7 @@ class AdaptivePolicy:
         if k <= 0:  # no drafting, no model switch: nothing to learn about drafting steps
             return
         t1 = self.cost.target(1, width)
-        residual = float(np.clip(seconds - self.model_step_time(k, width), 0.0, 2.0 * t1))
+        residual = min(max(seconds - self.model_step_time(k, width), 0.0), 2.0 * t1)  # per step: no numpy
         self.step_overhead = 0.95 * self.step_overhead + 0.05 * residual
 
     def confidence_floor(self) -> float:
