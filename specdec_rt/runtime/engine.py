@@ -55,6 +55,11 @@ def enable_shared_thread_pool(threads: int | None = None) -> bool:
     return _global_pool(threads or max(1, min(os.cpu_count() or 1, 8)))
 
 
+def shared_pool_in_use() -> bool:
+    """Whether this process runs its sessions on ONNX Runtime's process-wide thread pool."""
+    return _GLOBAL_POOL is not None
+
+
 def _global_pool(threads: int) -> bool:
     """Create ONNX Runtime's process-wide thread pool once; False if it cannot be used.
 

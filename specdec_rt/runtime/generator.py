@@ -15,7 +15,7 @@ from specdec_rt.runtime.bundle import Bundle, BundleError, load_bundle
 from specdec_rt.runtime.chat import NO_TEMPLATE, ChatTemplate
 from specdec_rt.runtime.drafters import Drafter, ModelDrafter, PromptLookupDrafter
 from specdec_rt.runtime.engine import (ContextOverflowError, make_engine, probe_batch_invariance,
-                                      probe_row_invariance)
+                                      probe_row_invariance, shared_pool_in_use)
 from specdec_rt.runtime.gen_config import GenerationDefaults
 from specdec_rt.runtime.memory import peak_rss_bytes, reset_peak_rss
 from specdec_rt.runtime.overlap import VerifyThread
@@ -140,9 +140,7 @@ class Generator:
         self.overlap = bool(overlap)
         self._verify_thread: VerifyThread | None = None
         if self.overlap:
-            from specdec_rt.runtime import engine as _engine
-
-            if shared_thread_pool or _engine._GLOBAL_POOL is not None:
+            if shared_thread_pool or shared_pool_in_use():
                 warnings.warn("overlap=True: the models run on ONNX Runtime's process-wide thread pool, "
                               "so the draft and the target compete for its workers (measured slower than "
                               "their own pools: load without shared_thread_pool in a process that never "
