@@ -182,16 +182,20 @@ def test_policy_learns_the_overlapped_regime():
     assert best(0.5, 0.95, 0.1, True) > best(0.5, 0.95, 0.1, False)  # costly draft: hide more of it
 
 
-def test_native_target_attention_is_exact_for_chains_and_refuses_trees(tiny_pair, tmp_path):
-    """--target-attention native: float32 sums in the target (faster), chains still token-identical
-    (overlapped or not), trees refused with a clear error rather than run inexactly."""
+@pytest.mark.parametrize("attention", ["native", "fused"])
+def test_float32_target_attention_is_exact_for_chains_and_refuses_trees(tiny_pair, tmp_path, attention):
+    """--target-attention native / fused: float32 sums in the target (faster), chains still
+    token-identical (overlapped or not), trees refused with a clear error rather than run inexactly."""
     from specdec_rt.cli.export_cli import main as export_main
     from specdec_rt.export.pipeline import ExportOptions, export_pair
 
-    out = tmp_path / "native"
+    out = tmp_path / attention
     manifest = export_pair(tiny_pair["target"], tiny_pair["draft"], out,
-                           ExportOptions(progress=False, target_attention="native"))
-    assert manifest["models"]["target"]["attention_accumulation"] == "native"
+                           ExportOptions(progress=False, target_attention=attention))
+    target = manifest["models"]["target"]
+    assert target["attention_accumulation"] == "native"
+    assert target["fused_attention"] is (attention == "fused")
+    assert target["opset"] == (23 if attention == "fused" else 17)
     gen = specdec_rt.load(out, threads=1)
     assert not gen.exact_trees
     for p in PROMPTS[:3]:

@@ -43,10 +43,10 @@ def quant_bundles(tmp_path_factory) -> dict:
     target = make_tiny_vocab_checkpoint(_qwen2_config(128, 2), base / "target", seed=11, scale=0.08)
     draft = make_tiny_vocab_checkpoint(_qwen2_config(64, 1), base / "draft", seed=12, scale=0.08)
     out = {}
-    for name, quant in (("fp32", None), ("int4", "int4")):
+    for name, quant, attention in (("fp32", None, "fp64"), ("int4", "int4", "fp64"), ("fused", None, "fused")):
         out[name] = base / name
-        export_pair(target, draft, out[name],
-                    ExportOptions(progress=False, quantize=quant, quantize_roles=("target",)))
+        export_pair(target, draft, out[name], ExportOptions(progress=False, quantize=quant, quantize_roles=("target",),
+                                                            target_attention=attention))
     return out
 
 
@@ -112,6 +112,42 @@ def test_probe_pads_one_row_calls_where_kernels_differ(quant_bundles):
     # ... and the padding really is needed for int4 here (a probe that never pads would hide it)
     unprobed = specdec_rt.load(quant_bundles["int4"], threads=1, probe_rows=False)
     assert unprobed.target.min_rows == 1
+
+
+def test_fused_target_attention_chain_rows_equal_sequential_rows_bit_for_bit(quant_bundles):
+    """--target-attention fused: ONNX Runtime's Attention kernel computes a one-row call another
+    way than a verify call (measured on x86 AVX2: every row differed in the last bits); the probe
+    pads one-row calls, after which chain rows equal sequential rows. Tree rows are not claimed
+    (float32 sums over holes) and the runtime refuses trees on such a bundle."""
+    import warnings
+
+    import specdec_rt
+    from specdec_rt.runtime.engine import RowInvarianceWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RowInvarianceWarning)  # nothing to say before a batch is asked for
+        gen = specdec_rt.load(quant_bundles["fused"], threads=1)
+    assert gen.bundle.target.fused_attention and not gen.exact_trees
+    rng = np.random.default_rng(6)
+    for _ in range(3):
+        prompt, path, side = (rng.integers(1, VOCAB, n).tolist() for n in (9, 6, 5))
+        sequential, chain, _ = _rows(gen.target, prompt, path, side)
+        assert np.array_equal(chain, sequential), np.abs(chain - sequential).max()
+    for _ in range(3):
+        prompt = rng.integers(1, VOCAB, 10).tolist()
+        base = gen.generate_ids(prompt, max_new_tokens=40, drafter=None, ignore_eos=True)
+        for n in (1, 4, "auto"):
+            assert gen.generate_ids(prompt, max_new_tokens=40, num_draft_tokens=n, ignore_eos=True) == base, n
+    # batches: the Attention kernel's rows depend on the call's other rows here; where the probe
+    # finds that, batches run one sequence per call (exact) and say so once, at the first batch
+    prompts = [rng.integers(1, VOCAB, 8).tolist() for _ in range(3)]
+    alone = [gen.generate_ids(p, max_new_tokens=20, ignore_eos=True) for p in prompts]
+    if not gen.target.batch_calls:
+        with pytest.warns(RowInvarianceWarning, match="one sequence per call"):
+            batch = gen.generate_batch(prompts, max_new_tokens=20, ignore_eos=True)
+    else:
+        batch = gen.generate_batch(prompts, max_new_tokens=20, ignore_eos=True)
+    assert [r.token_ids for r in batch] == alone
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int4"])

@@ -33,10 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--draft-plain-attention", action="store_true",
                     help="the draft's attention as decomposed ops (MatMul/Softmax/...) instead of one ONNX "
                          "Attention node per layer (opset 23, ONNX Runtime >= 1.23); --portable implies it")
-    ap.add_argument("--target-attention", default="fp64", choices=["fp64", "native"],
+    ap.add_argument("--target-attention", default="fp64", choices=["fp64", "native", "fused"],
                     help="fp64 (default): the target sums attention in float64, so tree verification is "
-                         "token-identical to target-only decoding; native: float32 sums, faster target calls "
-                         "(~1.25x on small models), exact for chains only (trees are then refused at run time)")
+                         "token-identical to target-only decoding; native: float32 sums in plain ops; fused: "
+                         "one ONNX Attention node per layer (opset 23, ONNX Runtime >= 1.23), the fastest "
+                         "target calls; native and fused are exact for chains only (trees are refused at run time)")
     ap.add_argument("--trt", action="store_true", help="also build native TensorRT engines (needs tensorrt)")
     ap.add_argument("--no-validate", action="store_true", help="skip the ORT-vs-PyTorch validation")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -36,6 +36,9 @@ BF16_REFUSED = ("--dtype bf16 is not supported: ONNX Runtime's CPU execution pro
                 "to --dtype fp32 (the default) or to --dtype fp16 (half the size)")
 
 
+TARGET_ATTENTION = ("fp64", "native", "fused")
+
+
 @dataclass
 class ExportOptions:
     dtype: str = "fp32"
@@ -48,8 +51,9 @@ class ExportOptions:
     # for the target (float64 sums) nor with ``portable``; False: the decomposed attention
     draft_fused_attention: bool = True
     # "fp64": the target sums attention in float64 (tree rows bit-identical to sequential ones);
-    # "native": float32 sums, ~1.25x faster target calls on small models, exact for chains only
-    # (the runtime then refuses speculation="tree")
+    # "native": float32 sums in the decomposed ops; "fused": one ONNX Attention node per layer
+    # (opset 23, float32 sums, the fastest target calls). native/fused are exact for chains only
+    # (the runtime then refuses speculation="tree"); fused relies on the load-time row probe
     target_attention: str = "fp64"
     validate: bool = True
     progress: bool = True
@@ -66,8 +70,9 @@ class ExportOptions:
             raise ExportError(f"--quantize must be int4 or int8, not '{self.quantize}'")
         if not 14 <= self.opset <= 21:
             raise ExportError(f"--opset {self.opset} is outside the supported range 14..21")
-        if self.target_attention not in ("fp64", "native"):
-            raise ExportError(f"--target-attention must be fp64 or native, not '{self.target_attention}'")
+        if self.target_attention not in TARGET_ATTENTION:
+            raise ExportError(f"--target-attention must be one of {', '.join(TARGET_ATTENTION)}, "
+                              f"not '{self.target_attention}'")
         if self.max_context is not None and self.max_context < 16:
             raise ExportError("--max-context must be at least 16")
 
@@ -472,18 +477,24 @@ def _load_torch_model(path: Path):
 
 def attention_accumulation(role: str, portable: bool, target_attention: str = "fp64") -> str:
     """float64 attention sums for the target (what makes its tree rows bit-identical to sequential
-    decoding, docs/design.md) unless ``target_attention="native"`` asks for the faster float32
-    sums (exact for chains, not trees); the draft only proposes, so it keeps the cheaper float32
+    decoding, docs/design.md) unless ``target_attention`` is "native" or "fused", the faster
+    float32 sums (exact for chains, not trees); the draft only proposes, so it keeps the cheaper float32
     sums, and the portable op set (TensorRT) has no float64."""
     return "fp64" if role == "target" and not portable and target_attention == "fp64" else "native"
 
 
-def fused_attention(role: str, portable: bool, draft_fused_attention: bool = True) -> bool:
-    """One ONNX ``Attention`` node per layer (GraphBuilder._fused_attention) for the draft only:
-    its kernel sums over keys in float32 in its own grouping, which the target cannot afford
-    (tree rows must equal sequential rows bit for bit) and the draft can (the target verifies every
-    token it proposes). The portable op set keeps plain ops for TensorRT and other providers."""
-    return role == "draft" and not portable and draft_fused_attention
+def fused_attention(role: str, portable: bool, draft_fused_attention: bool = True,
+                    target_attention: str = "fp64") -> bool:
+    """One ONNX ``Attention`` node per layer (GraphBuilder._fused_attention): the draft's default,
+    the target's only with ``target_attention="fused"``. The kernel sums over keys in float32 in
+    its own grouping, so a tree node's row (masked siblings between its keys) is not bit-identical
+    to the same token decoded alone; the draft can afford that (the target verifies every token it
+    proposes), a target only for chains, whose rows keep their keys in the sequential columns
+    (ONNX Runtime's kernel takes another path for a 1-row call, which the runtime's row probe
+    detects and pads, docs/design.md). The portable op set keeps plain ops for TensorRT."""
+    if portable:
+        return False
+    return draft_fused_attention if role == "draft" else target_attention == "fused"
 
 
 # -- one model --------------------------------------------------------------------------------------
@@ -526,7 +537,8 @@ def export_model(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, role
     stages.start(f"build {role}")
     graph_opts = GraphOptions(dtype=options.dtype, opset=options.opset, fused=not options.portable,
                               attention_accumulation=attention_accumulation(role, options.portable, options.target_attention),
-                              fused_attention=fused_attention(role, options.portable, options.draft_fused_attention),
+                              fused_attention=fused_attention(role, options.portable, options.draft_fused_attention,
+                                                              options.target_attention),
                               quantize=quant, quantize_embedding=options.quantize_embedding)
     path = out / "model.onnx"
     written = write_model(spec, weights, graph_opts, str(path))

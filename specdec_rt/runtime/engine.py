@@ -310,6 +310,7 @@ class OrtEngine(EngineBase):
         self.min_rows = 1
         # False: forward_rows runs one sequence per call (see :func:`probe_batch_invariance`)
         self.batch_calls = True
+        self.batch_warning: str | None = None  # set by probe_batch_invariance, said once
 
     # -- forward ----------------------------------------------------------------------------
     def forward(self, input_ids: np.ndarray, positions: np.ndarray, mask: np.ndarray,
@@ -544,6 +545,8 @@ class OrtEngine(EngineBase):
         :func:`probe_batch_invariance`; where it fails, sequences run one per call.
         """
         if len(seqs) == 1 or not self.batch_calls:
+            if len(seqs) > 1:
+                self.warn_unbatched()
             if positions is None:
                 positions = [np.arange(self.lengths[q], self.lengths[q] + len(t), dtype=np.int64)
                              for q, t in zip(seqs, ids)]
@@ -552,6 +555,15 @@ class OrtEngine(EngineBase):
                          for q, pos in zip(seqs, positions)]
             return [self.forward(*args) for args in zip(ids, positions, masks, seqs)]
         return self._forward_batch(seqs, ids, positions, masks)
+
+    def warn_unbatched(self) -> None:
+        """Say once (at load if batching was asked for, else at the first batch) that batched
+        calls fall back to one sequence per call (:func:`probe_batch_invariance`)."""
+        if self.batch_warning:
+            import warnings
+
+            warnings.warn(self.batch_warning, RowInvarianceWarning, stacklevel=3)
+            self.batch_warning = None
 
     def _forward_batch(self, seqs: list[int], ids: list, positions: list | None,
                        masks: list | None) -> list[np.ndarray]:
@@ -744,7 +756,7 @@ def probe_row_invariance(engine: OrtEngine, widths: tuple[int, ...] = (2, 3, 5, 
     return chosen
 
 
-def probe_batch_invariance(engine: OrtEngine, seed: int = 0) -> bool:
+def probe_batch_invariance(engine: OrtEngine, seed: int = 0, warn: bool = True) -> bool:
     """Measure whether a sequence's logits and K/V in a batched call equal, bit for bit, what it
     gets alone; if not, warn and make :meth:`OrtEngine.forward_rows` run sequences one at a
     time (``engine.batch_calls = False``: exact, without the batching gain). Returns the answer.
@@ -796,10 +808,10 @@ def probe_batch_invariance(engine: OrtEngine, seed: int = 0) -> bool:
         engine.reset()
     engine.batch_calls = same
     if not same:
-        import warnings
-
-        warnings.warn(
+        engine.batch_warning = (
             f"the {engine.info.role} graph's logits for a sequence change when it shares a call with "
             f"other sequences on the {engine.provider} provider: batched decoding runs one sequence per "
-            "call (exact, without the batching gain)", RowInvarianceWarning, stacklevel=2)
+            "call (exact, without the batching gain)")
+        if warn:
+            engine.warn_unbatched()
     return same

@@ -162,7 +162,8 @@ class Generator:
         if probe_rows and hasattr(self.target, "min_rows"):
             probe_row_invariance(self.target)  # exactness: pads 1-row calls where kernels differ
             # exactness of batches: a sequence's bits must not depend on who shares its call
-            probe_batch_invariance(self.target)
+            # (said at load where batching was asked for, else at the first batched call)
+            probe_batch_invariance(self.target, warn=max_batch is not None and max_batch > 1)
         self.chat_template = (ChatTemplate(bundle.chat_template, bundle.special_token_strings)
                               if bundle.chat_template is not None else None)
         self.generation_defaults = GenerationDefaults.from_config(bundle.generation_config)
@@ -286,7 +287,7 @@ class Generator:
             if not self.exact_trees:
                 raise GenerationInputError(
                     "this bundle's target sums attention in float32 (exported with --portable, "
-                    "--target-attention native, or by an older specdec-rt), so tree verification would not be token-identical to "
+                    "--target-attention native or fused, or by an older specdec-rt), so tree verification would not be token-identical to "
                     "target-only decoding; use speculation='chain' or re-export with --target-attention fp64")
             if isinstance(tree_shape, Template):
                 inner = run_tree(self.target, d, prompt_ids, cfg, rng, stats, policy=FixedTemplate(tree_shape))
