@@ -190,6 +190,18 @@ def test_windowed_host_path_matches_session_run(tiny_pair):
         seq = int(rng.integers(0, 3))
         tok = int(rng.integers(1, 300))
         both(lambda e: e.step(tok, seq))
+    for _ in range(40):  # a draft's rhythm: S = 1 steps, S = 2 catch-ups, rollbacks across windows
+        seq, kind = int(rng.integers(0, 3)), rng.random()
+        toks = rng.integers(1, 300, 2)
+        if kind < 0.3:
+            back = max(1, win.lengths[seq] - int(rng.integers(1, PAST_WINDOW + 3)))
+            for e in (win, ref):
+                e.rollback(back, seq)
+        elif kind < 0.6:
+            both(lambda e: e.extend(toks, seq=seq))
+        else:
+            both(lambda e: e.step(int(toks[0]), seq))
+    assert {s for s, _ in win._wins} >= {1, 2}  # bindings kept per S: no rebinding per step
     stride = win.cache.stride
     for e in (win, ref):  # a batched call re-lays the cache out (restride): the bindings follow
         e.forward_rows([0, 1], [[5, 6], [7]])
