@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 import specdec_rt
-from specdec_rt.runtime.policy import AdaptivePolicy, CostModel
+from specdec_rt.runtime.policy import AdaptivePolicy, CostModel, TreePolicy
 
 PROMPTS = ["def add(a, b):", "for i in range(", "class Stack:\n    def", "import os\nimport",
            "x = [1, 2, 3]\nprint(", "while True:\n    ", "if x is None:\n", "return self."]
@@ -64,3 +64,23 @@ def test_step_overhead_is_learned_and_favours_longer_blocks():
         policy.observe_step(4, policy.model_step_time(4) + 0.8)
     assert 0.75 < policy.step_overhead <= 0.8
     assert policy.best_k() > k_before
+
+
+def test_tree_policy_learns_step_overheads_for_chains_and_branches():
+    """TreePolicy learns the same per-step overhead as AdaptivePolicy, for chain steps and, apart,
+    for branching steps (more Python per step): a chain overhead lengthens the best chain, a
+    large branching overhead makes the tree mode run chains."""
+    cost = CostModel([1.0 + 0.01 * s for s in range(16)], 0.1)  # flat T(S): trees can pay
+    policy = TreePolicy(cost, draft_rows=[0.1, 0.11, 0.12, 0.13], accept=[0.8] * 20, second=[0.5] * 20)
+    _, chain_before = policy.best_chain(15)
+    assert not policy.plan().is_chain  # with these costs a tree beats every chain
+    for _ in range(200):
+        policy.observe_step(chain_before, policy.model_seconds(chain_before) + 1.0)
+    assert 0.9 < policy.step_overhead <= 1.0 and policy.tree_overhead is None
+    _, chain_after = policy.best_chain(15)
+    assert chain_after.size > chain_before.size  # a fixed cost per step favours longer blocks
+    tree = policy.plan()
+    for _ in range(200):  # branching steps cost 2 T(1) more than modelled (the clip's limit)
+        policy.observe_step(tree, policy.model_seconds(tree) + 5.0)
+    assert policy.tree_overhead > 1.9
+    assert policy.plan().is_chain

@@ -323,6 +323,13 @@ class TreePolicy:
     accept: list[float] = field(default_factory=list)  # a_d, d = 1..
     second: list[float] = field(default_factory=list)  # b_d, d = 1..
     last: object = None  # the template of the last step
+    # per-step costs of drafting steps that the micro-benchmarks miss (as AdaptivePolicy's
+    # step_overhead: model switches, bookkeeping), learned separately for chain steps and for
+    # branching steps (tree masks, level calls, compaction: more Python); None until a
+    # branching step was seen, then the chain figure stands in
+    step_overhead: float = 0.0
+    tree_overhead: float | None = None
+    clock: object = time.perf_counter
     _tested: int = 0
     _tested2: int = 0
     _steps: int = 0
@@ -362,8 +369,36 @@ class TreePolicy:
         for u in range(tpl.size):
             if tpl.children[u]:
                 widths[int(tpl.depths[u])] = widths.get(int(tpl.depths[u]), 0) + 1
-        seconds = sum(self.draft_call(w) for w in widths.values()) + self.cost.target(tpl.size)
+        seconds = self.model_seconds(tpl, widths) + (self._branch_overhead() if not tpl.is_chain
+                                                     else self.step_overhead if tpl.size > 1 else 0.0)
         return float(sum(value)), seconds
+
+    def model_seconds(self, tpl, widths: dict[int, int] | None = None) -> float:
+        """A step of template ``tpl`` from the micro-benchmarked costs alone: one draft call per
+        expanded level, one verify call of all its nodes."""
+        if widths is None:
+            widths = {}
+            for u in range(tpl.size):
+                if tpl.children[u]:
+                    widths[int(tpl.depths[u])] = widths.get(int(tpl.depths[u]), 0) + 1
+        return sum(self.draft_call(w) for w in widths.values()) + self.cost.target(tpl.size)
+
+    def _branch_overhead(self) -> float:
+        return self.step_overhead if self.tree_overhead is None else self.tree_overhead
+
+    def observe_step(self, tpl, seconds: float) -> None:
+        """One whole step with template ``tpl`` took ``seconds`` (policy clock): fold what the
+        model missed into the chain or the branching overhead (EMA, clipped to [0, 2 T(1)] as in
+        :meth:`AdaptivePolicy.observe_step`). Steps that draft nothing teach nothing."""
+        if tpl.size <= 1:
+            return
+        residual = min(max(seconds - self.model_seconds(tpl), 0.0), 2.0 * self.cost.target(1))
+        if tpl.is_chain:
+            self.step_overhead = 0.95 * self.step_overhead + 0.05 * residual
+        elif self.tree_overhead is None:
+            self.tree_overhead = max(self.step_overhead, residual)
+        else:
+            self.tree_overhead = 0.95 * self.tree_overhead + 0.05 * residual
 
     def template(self, parents: tuple, ranks: tuple):
         from specdec_rt.runtime.tree import Template
@@ -393,6 +428,8 @@ class TreePolicy:
         heap = [(-a[0], 0, 0, 0, 1)]  # (-value, tie, parent, rank, depth)
         tie = 1
         e, draft, best = 1.0, 0.0, None
+        overhead = self._branch_overhead()  # a chain prefix of the growth is priced as a tree:
+        # best_chain already covers chains, this search only has to find branching trees
         for n in range(1, n_max + 1):
             if not heap:
                 break
@@ -418,7 +455,7 @@ class TreePolicy:
                 sib = value[par] * (1 - a[dep - 1]) * b[dep - 1] if rank == 0 else v * (1 - b[dep - 1])
                 heapq.heappush(heap, (-sib, tie, par, rank + 1, dep))
                 tie += 1
-            rate = e / (draft + targets[n])
+            rate = e / (draft + targets[n] + overhead)
             if rate > best_rate * (1 + 1e-9):
                 best_rate, best = rate, n
         return best_rate, best, nodes, reached
@@ -437,7 +474,7 @@ class TreePolicy:
         targets = self._targets(self.max_nodes)
         ks = np.arange(k_max + 1)
         tokens = expected_chain_tokens(self.accept, k_max)
-        rates = tokens / (ks * self.draft_call(1) + targets[ks])
+        rates = tokens / (ks * self.draft_call(1) + targets[ks] + self.step_overhead * (ks > 0))
         k = int(np.argmax(rates))  # the first maximum: the shortest of equals
         return float(rates[k]), self.chain(k)
 
@@ -558,5 +595,5 @@ def make_tree_policy(generator) -> TreePolicy:
         sizes = [1, 2, 3, 4, 6, 8]
         rows = measure_engine(generator.draft_engine, sizes, past=128, reps=11, clock=clock)
         c = [float(x) for x in np.interp(np.arange(1, 9), sizes, rows)]
-        policy = cache["tree"] = TreePolicy(cost, draft_rows=c)
+        policy = cache["tree"] = TreePolicy(cost, draft_rows=c, clock=clock)
     return policy

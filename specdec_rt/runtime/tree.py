@@ -150,6 +150,11 @@ class FixedTemplate:
     def end_step(self) -> None:
         pass
 
+    clock = staticmethod(time.perf_counter)
+
+    def observe_step(self, tpl: Template, seconds: float) -> None:
+        pass
+
 
 @dataclass
 class _Node:
@@ -488,6 +493,7 @@ def _run_templates(target: OrtEngine, drafter: ModelDrafter, tokens: list[int], 
             return
         # nodes incl. the root: the target's and the draft's room, and no more than the budget
         limit = max(1, min(target.max_len - p0, d_eng.max_len - len(tokens) + 1, cfg.max_new_tokens - generated))
+        step_t0 = policy.clock()
         tpl = policy.choose(limit)
         t0 = time.perf_counter()
         ids, top, qs, draws = dr.build(tokens, tpl, params, rng)
@@ -552,6 +558,7 @@ def _run_templates(target: OrtEngine, drafter: ModelDrafter, tokens: list[int], 
         stats.draft_lengths.append(n - 1)
         new = clip_new_tokens([int(ids[i]) for i in path[1:]] + [nxt_tok], cfg.max_new_tokens - generated, eos)
         clock.commit(stats, tokens, new, drafter)
+        policy.observe_step(tpl, policy.clock() - step_t0)  # calibrates the shape model to this machine
         yield new
         if new[-1] in eos:
             return
