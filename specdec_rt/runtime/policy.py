@@ -303,8 +303,9 @@ class TreePolicy:
     Estimates are EMAs per depth (like :class:`AdaptivePolicy`); depths never tested inherit
     the deepest tested estimate and every ``probe_every``-th step deepens the plan by two. The
     best chain is recomputed every step (vectorised, as :class:`AdaptivePolicy` does); the tree
-    search (~0.2 ms of Python) runs every ``replan_every`` steps, and its tree is used while it
-    still beats the current best chain by ``branch_margin``.
+    search (~0.2 ms of Python) runs every ``replan_every`` steps (backing off to every
+    ``max_search_gap`` while it finds no tree), and its tree is used while it still beats the
+    current best chain by ``branch_margin``.
     """
 
     cost: CostModel
@@ -317,6 +318,7 @@ class TreePolicy:
     decay: float = 0.9
     probe_every: int = 8
     replan_every: int = 4  # steps between tree searches (the best chain is recomputed every step)
+    max_search_gap: int = 64  # ... backing off up to this while the searches find no tree
     # a tree must beat the best chain by this much: branching steps cost Python the model does
     # not count (tree masks, the draft's masked level calls, compaction of the accepted path)
     branch_margin: float = 0.03
@@ -334,6 +336,8 @@ class TreePolicy:
     _tested2: int = 0
     _steps: int = 0
     _plan: object = None
+    _next_search: int = 1
+    _search_gap: int = 0
     _templates: dict = field(default_factory=dict)
     _draft_delta: list = field(default_factory=list)
     _target_key: tuple = ()
@@ -345,6 +349,7 @@ class TreePolicy:
             self.accept = [self.prior] * n
         if not self.second:
             self.second = [self.prior_second] * n
+        self._search_gap = self.replan_every
 
     # -- costs ---------------------------------------------------------------------------
     def draft_call(self, rows: int) -> float:
@@ -547,8 +552,13 @@ class TreePolicy:
         self._steps += 1
         n_max = self.max_nodes if limit is None else max(0, min(self.max_nodes, limit - 1))
         rate, tpl = self.best_chain(n_max)  # every step, as the chain policy does
-        if self.max_rank > 1 and (self._steps % self.replan_every == 1 or self.replan_every == 1):
+        if self.max_rank > 1 and self._steps >= self._next_search:
             self._plan = self.best_tree(self.max_nodes, rate * (1 + self.branch_margin))
+            # while no tree beats the chains, search half as often each time (up to every
+            # max_search_gap steps): the search is most of the Python of a step that runs a chain
+            self._search_gap = (self.replan_every if self._plan is not None
+                                else min(self.max_search_gap, 2 * self._search_gap))
+            self._next_search = self._steps + self._search_gap
         if self._plan is not None:  # the last tree search's tree, if it still beats today's chain
             e, t = self.expected(self._plan)
             if e / t > rate * (1 + self.branch_margin):
