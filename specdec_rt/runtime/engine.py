@@ -238,6 +238,7 @@ class _WindowBindings:
         self.s = self.seq = self.c = self.keys = None
         self.token = 0
         self.copies: list = []
+        self.causal_p: int | None = None  # the P whose causal one-token mask row is in place
 
 
 class OrtEngine(EngineBase):
@@ -396,11 +397,39 @@ class OrtEngine(EngineBase):
         if self.io_binding or self.min_rows > 1 or (window and p >= window) or p + 1 > self.max_len:
             return super().step(token, seq)
         self._fit(p + 1)
-        self._ids1[0, 0] = token
-        self._pos1[0, 0] = p
-        row = self._host(self._ids1, self._pos1, self._zeros[: p + 1], 1, p, seq)[-1]
+        w = self._wins.get((1, seq)) if self.past_window else None
+        if w is not None and w.keys is self.cache.keys and w.c == min(-(-p // self.past_window) * self.past_window,
+                                                                       self.cache.stride):
+            row = self._step_window(w, token, p, seq)
+        else:
+            self._ids1[0, 0] = token
+            self._pos1[0, 0] = p
+            row = self._host(self._ids1, self._pos1, self._zeros[: p + 1], 1, p, seq)[-1]
         self.lengths[seq] = p + 1
         return row
+
+    def _step_window(self, w: "_WindowBindings", token: int, p: int, seq: int) -> np.ndarray:
+        """:meth:`_forward_window` for one causal token in the window already bound (the draft's
+        inner loop): the mask row changes by one column from the previous step, so only that
+        column is written (or the row, after a rollback or another call shape)."""
+        w.ids[0, 0] = token
+        w.pos[0, 0] = p
+        row = w.mask[0, 0, 0]
+        if w.causal_p == p - 1:
+            row[p - 1] = 0.0
+        else:  # [0, p) visible, [p, c) masked, the new token itself visible
+            row[:p] = 0.0
+            row[p:w.c] = NEG_INF
+            row[w.c] = 0.0
+        w.causal_p = p
+        t0 = time.perf_counter()
+        self._run_binding(w.binding, None)
+        self.model_time += time.perf_counter() - t0
+        o = (seq * self.cache.stride + p) * w.token
+        for flat, new in w.copies:
+            flat[o:o + w.token] = new
+        self.calls += 1
+        return w.logits[0, 0]
 
     def _seq_views(self, seq: int) -> list:
         """``(past_key name, past_value name, K, V)`` per layer, K and V the ``[1, stride, Hkv, D]``
@@ -453,6 +482,7 @@ class OrtEngine(EngineBase):
             self._window_past(w, c)
         w.ids[0] = input_ids
         w.pos[0] = positions
+        w.causal_p = None  # the mask row is rewritten whole: _step_window starts afresh
         m = np.asarray(mask, dtype=np.float32).reshape(s, p + s)
         mb = w.mask[0, 0]
         mb[:, :p] = m[:, :p]
@@ -500,6 +530,7 @@ class OrtEngine(EngineBase):
         w.mask = np.empty((1, 1, w.s, c + w.s), dtype=np.float32)
         ib.bind_input("attention_mask", w.mask)
         w.c = c
+        w.causal_p = None
 
     def _forward_run(self, input_ids, positions, mask, s: int, p: int, seq: int) -> np.ndarray:
         """Host path: past fed as zero-copy views, the S new K/V rows copied into place.
