@@ -1,6 +1,8 @@
 """Run the peer systems on the bundle's source checkpoints and compare with our runs."""
 from __future__ import annotations
 
+import time
+
 from pathlib import Path
 
 from specdec_rt.bench import peers as P
@@ -73,6 +75,9 @@ def run_peers(cfg, gen, prompts: list[list[int]], base: dict, acc: dict) -> list
                  if name.startswith("model K=")}
     best = max(a["tokens"] / a["seconds"] for a in acc.values())
     avail = P.available_peers()
+    # the clock ours ran on: with --clock cpu (one thread), this process's CPU time for the peers
+    # too (they run in this process), so other jobs on a shared machine distort neither side
+    clock = time.process_time if cfg.clock == "cpu" else time.perf_counter
     out: list[dict] = []
     n = cfg.max_new_tokens
     ks = [k for k in cfg.ks if 1 <= k <= 16]
@@ -82,28 +87,28 @@ def run_peers(cfg, gen, prompts: list[list[int]], base: dict, acc: dict) -> list
             if peer == "transformers":
                 if avail.get("transformers"):
                     raise P.PeerUnavailable(avail["transformers"])
-                runs = P.run_transformers(target_dir, prompts, n, threads=cfg.threads)
+                runs = P.run_transformers(target_dir, prompts, n, threads=cfg.threads, clock=clock)
                 out.append(_summarize(runs, "transformers generate", 0, base_outputs, best, our_k_tps))
                 if draft_dir is not None:
                     k = 4 if 4 in ks else ks[0]
                     runs = P.run_transformers(target_dir, prompts, n, draft_dir=draft_dir,
-                                              num_draft_tokens=k, threads=cfg.threads)
+                                              num_draft_tokens=k, threads=cfg.threads, clock=clock)
                     out.append(_summarize(runs, "transformers assisted", k, base_outputs, best, our_k_tps))
             elif peer in ("onnxruntime-genai", "ortgenai"):
                 if avail.get("ortgenai"):
                     raise P.PeerUnavailable(avail["ortgenai"])
                 built = list(genai_models(cfg, gen).values())
-                runs = P.run_ortgenai(built[0], prompts, n, threads=cfg.threads)
+                runs = P.run_ortgenai(built[0], prompts, n, threads=cfg.threads, clock=clock)
                 out.append(_summarize(runs, "onnxruntime-genai", 0, base_outputs, best, our_k_tps))
                 if draft_dir is not None:
                     for k in ks:
                         runs = P.run_ortgenai(built[0], prompts, n, draft_genai_dir=built[1],
-                                              num_draft_tokens=k, threads=cfg.threads)
+                                              num_draft_tokens=k, threads=cfg.threads, clock=clock)
                         out.append(_summarize(runs, "onnxruntime-genai spec", k, base_outputs, best, our_k_tps))
                     kmax = max(ks)
                     runs = P.run_ortgenai(built[0], prompts, n, draft_genai_dir=built[1],
                                           num_draft_tokens=kmax, threads=cfg.threads, adaptive=True,
-                                          min_adaptive_k=1)
+                                          min_adaptive_k=1, clock=clock)
                     row = _summarize(runs, "onnxruntime-genai spec adaptive", "auto", base_outputs, best, our_k_tps)
                     row["max_k"] = kmax
                     out.append(row)

@@ -99,7 +99,7 @@ def _import_transformers():
 
 def run_transformers(target_dir, prompts: list[list[int]], max_new_tokens: int, draft_dir=None,
                      num_draft_tokens: int = 4, threads: int | None = None,
-                     warmup: bool = True) -> list[PeerRun]:
+                     warmup: bool = True, clock=time.perf_counter) -> list[PeerRun]:
     """Greedy ``generate`` on the target, or assisted generation with a fixed K when ``draft_dir``.
 
     Exactly ``max_new_tokens`` tokens per prompt (``min_new_tokens`` suppresses EOS), float32.
@@ -166,9 +166,9 @@ def run_transformers(target_dir, prompts: list[list[int]], max_new_tokens: int, 
             runs = []
             for prompt in prompts:
                 counts["target"] = counts["draft"] = 0
-                t0 = time.perf_counter()
+                t0 = clock()
                 tokens = generate(prompt, max_new_tokens)
-                seconds = time.perf_counter() - t0
+                seconds = clock() - t0
                 extra = {"target_forwards": counts["target"]}
                 if draft is not None:
                     # every target forward is one verify round (the first also does the prefill) and
@@ -337,7 +337,7 @@ def make_ortgenai_spec_dir(target_genai_dir, draft_genai_dir, out_dir, num_draft
 
 def run_ortgenai(target_genai_dir, prompts: list[list[int]], max_new_tokens: int, draft_genai_dir=None,
                  num_draft_tokens: int = 4, threads: int | None = None, warmup: bool = True,
-                 adaptive: bool = False, min_adaptive_k: int = 1) -> list[PeerRun]:
+                 adaptive: bool = False, min_adaptive_k: int = 1, clock=time.perf_counter) -> list[PeerRun]:
     """Greedy generation with onnxruntime-genai, target only or with its draft-model speculation.
 
     ``*_genai_dir`` are folders written by :func:`build_ortgenai_model`. With a draft, a temporary
@@ -402,9 +402,9 @@ def run_ortgenai(target_genai_dir, prompts: list[list[int]], max_new_tokens: int
             generate(prompts[0], min(_WARMUP_TOKENS, max_new_tokens))
         runs = []
         for prompt in prompts:
-            t0 = time.perf_counter()
+            t0 = clock()
             tokens, gen = generate(prompt, max_new_tokens)
-            seconds = time.perf_counter() - t0
+            seconds = clock() - t0
             extra: dict = {}
             if spec_opts:
                 stats = dict(gen.get_speculative_stats())
