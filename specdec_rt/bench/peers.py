@@ -347,31 +347,50 @@ def run_ortgenai(target_genai_dir, prompts: list[list[int]], max_new_tokens: int
     decoder (and draft) sessions through a config overlay. Timing covers creating the generator,
     the prompt's prefill and the token loop. ``extra`` holds genai's speculative statistics.
     """
-    og = _import_genai()
-    import numpy as np
-
     prompts = _check_prompts(prompts, max_new_tokens)
-    target = Path(target_genai_dir)
-    if not (target / "genai_config.json").is_file():
-        raise FileNotFoundError(f"{target} has no genai_config.json; build it with build_ortgenai_model")
-    context = json.loads((target / "genai_config.json").read_text())["model"].get("context_length")
-    longest = max(len(p) for p in prompts) + max_new_tokens
-    if context and longest > context:
-        raise ValueError(f"prompt + max_new_tokens = {longest} exceeds the model's context_length {context}")
+    with OrtGenaiSession(target_genai_dir, max(len(p) for p in prompts) + max_new_tokens, draft_genai_dir,
+                         num_draft_tokens, threads, adaptive, min_adaptive_k) as session:
+        if warmup:
+            session.generate(prompts[0], min(_WARMUP_TOKENS, max_new_tokens))
+        runs = []
+        for prompt in prompts:
+            t0 = clock()
+            tokens, extra = session.generate(prompt, max_new_tokens)
+            runs.append(_make_run(session.system, tokens, clock() - t0, extra))
+        return runs
 
-    with tempfile.TemporaryDirectory(prefix="specdec-ortgenai-spec-") as tmp:
+
+class OrtGenaiSession:
+    """One onnxruntime-genai model (target, or target + draft with a fixed or adaptive K) kept
+    loaded, generating one prompt per call: :func:`run_ortgenai` runs a prompt list through it,
+    and a head-to-head benchmark interleaves its calls with ours prompt by prompt
+    (scripts/head_to_head.py). A context manager: the combined spec folder is temporary."""
+
+    def __init__(self, target_genai_dir, longest: int, draft_genai_dir=None, num_draft_tokens: int = 4,
+                 threads: int | None = None, adaptive: bool = False, min_adaptive_k: int = 1) -> None:
+        self.og = og = _import_genai()
+        target = Path(target_genai_dir)
+        if not (target / "genai_config.json").is_file():
+            raise FileNotFoundError(f"{target} has no genai_config.json; build it with build_ortgenai_model")
+        context = json.loads((target / "genai_config.json").read_text())["model"].get("context_length")
+        if context and longest > context:
+            raise ValueError(f"prompt + max_new_tokens = {longest} exceeds the model's context_length {context}")
+        self._tmp = tempfile.TemporaryDirectory(prefix="specdec-ortgenai-spec-")
         model_dir = target
-        spec_opts = {}
+        self.spec_opts: dict = {}
+        self.num_draft_tokens = int(num_draft_tokens)
         if draft_genai_dir is not None:
             if not hasattr(og.GeneratorParams, "set_speculative_options"):
+                self._tmp.cleanup()
                 raise PeerUnavailable(f"onnxruntime-genai {getattr(og, '__version__', '?')} has no "
                                       "draft-model speculative decoding (GeneratorParams.set_speculative_options)")
             k_min = int(min_adaptive_k) if adaptive else 0
             if adaptive and not 1 <= k_min <= num_draft_tokens:
+                self._tmp.cleanup()
                 raise ValueError("min_adaptive_k must be in [1, num_draft_tokens]")
-            model_dir = make_ortgenai_spec_dir(target, draft_genai_dir, Path(tmp) / "spec",
+            model_dir = make_ortgenai_spec_dir(target, draft_genai_dir, Path(self._tmp.name) / "spec",
                                                num_draft_tokens=num_draft_tokens, min_adaptive_k=k_min)
-            spec_opts = {"max_draft_tokens": int(num_draft_tokens), "min_adaptive_k": k_min}
+            self.spec_opts = {"max_draft_tokens": int(num_draft_tokens), "min_adaptive_k": k_min}
         config = og.Config(str(model_dir))
         if threads:
             so = {"session_options": {"intra_op_num_threads": int(threads)}}
@@ -379,44 +398,44 @@ def run_ortgenai(target_genai_dir, prompts: list[list[int]], max_new_tokens: int
             if draft_genai_dir is not None:
                 overlay["model"]["draft"] = so
             config.overlay(json.dumps(overlay))
-        model = og.Model(config)
-
-        def generate(prompt: list[int], n: int):
-            params = og.GeneratorParams(model)
-            length = len(prompt) + n
-            params.set_search_options(do_sample=False, max_length=length, min_length=length)
-            if spec_opts:
-                params.set_speculative_options(**spec_opts)
-            gen = og.Generator(model, params)
-            gen.append_tokens(np.asarray(prompt, dtype=np.int32))
-            while not gen.is_done():
-                gen.generate_next_token()
-            tokens = [int(t) for t in gen.get_sequence(0)[len(prompt):]]
-            return tokens, gen
-
+        self.model = og.Model(config)
         if draft_genai_dir is None:
-            system = "ortgenai"
+            self.system = "ortgenai"
         else:
-            system = "ortgenai-spec-adaptive" if adaptive else "ortgenai-spec"
-        if warmup:
-            generate(prompts[0], min(_WARMUP_TOKENS, max_new_tokens))
-        runs = []
-        for prompt in prompts:
-            t0 = clock()
-            tokens, gen = generate(prompt, max_new_tokens)
-            seconds = clock() - t0
-            extra: dict = {}
-            if spec_opts:
-                stats = dict(gen.get_speculative_stats())
-                extra = {k: stats[k] for k in _GENAI_STAT_KEYS if k in stats}
-                extra["num_draft_tokens"] = int(num_draft_tokens)
-                extra["accepted"] = stats.get("draft_tokens_accepted")
-                extra["proposed"] = stats.get("draft_tokens_proposed")
-                extra["speculative_stats"] = stats
-            del gen
-            runs.append(_make_run(system, tokens, seconds, extra))
-        del model
-        return runs
+            self.system = "ortgenai-spec-adaptive" if adaptive else "ortgenai-spec"
+
+    def generate(self, prompt: list[int], n: int) -> tuple[list[int], dict]:
+        """Greedy: exactly ``n`` new tokens; returns them and genai's speculative statistics."""
+        import numpy as np
+
+        og = self.og
+        params = og.GeneratorParams(self.model)
+        length = len(prompt) + n
+        params.set_search_options(do_sample=False, max_length=length, min_length=length)
+        if self.spec_opts:
+            params.set_speculative_options(**self.spec_opts)
+        gen = og.Generator(self.model, params)
+        gen.append_tokens(np.asarray(prompt, dtype=np.int32))
+        while not gen.is_done():
+            gen.generate_next_token()
+        tokens = [int(t) for t in gen.get_sequence(0)[len(prompt):]]
+        extra: dict = {}
+        if self.spec_opts:
+            stats = dict(gen.get_speculative_stats())
+            extra = {k: stats[k] for k in _GENAI_STAT_KEYS if k in stats}
+            extra["num_draft_tokens"] = self.num_draft_tokens
+            extra["accepted"] = stats.get("draft_tokens_accepted")
+            extra["proposed"] = stats.get("draft_tokens_proposed")
+            extra["speculative_stats"] = stats
+        del gen
+        return tokens, extra
+
+    def __enter__(self) -> "OrtGenaiSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.model = None
+        self._tmp.cleanup()
 
 
 # --------------------------------------------------------------------------------------------
