@@ -48,8 +48,9 @@ def main(argv: list[str] | None = None) -> None:
     genai_ks = [_k(x) for x in args.genai.split(",")]
 
     gen = specdec_rt.load(args.bundle, threads=args.threads, shared_thread_pool=True)
-    prompts = [gen.tokenizer.encode(p) for p in load_prompts(None)][: args.num_prompts]
     n = args.max_new_tokens
+    limit = gen.max_length - n - 1  # as specdec-bench: the prompt's tail where prompt + tokens exceed the context
+    prompts = [gen.tokenizer.encode(p)[-limit:] for p in load_prompts(None)][: args.num_prompts]
     built = genai_models(BenchConfig(bundle=args.bundle, prompts=[], peer_cache=args.peer_cache), gen)
     kw = dict(max_new_tokens=n, temperature=0, top_k=0, top_p=1.0, ignore_eos=True)
 

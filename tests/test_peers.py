@@ -105,3 +105,27 @@ def test_spec_dir_config_and_build_cache(ckpts, genai, tmp_path):
     stamp = (genai["target"] / "genai_config.json").stat().st_mtime_ns
     assert build_ortgenai_model(ckpts["target"], genai["target"]) == genai["target"]  # cached: no rebuild
     assert (genai["target"] / "genai_config.json").stat().st_mtime_ns == stamp
+
+
+def test_head_to_head_script_interleaves_and_reports(tiny_pair, tmp_path):
+    """scripts/head_to_head.py end to end on the tiny pair: every system ran every prompt, every
+    output equals target-only decoding, and the summary ratios are what the rows say."""
+    need("ortgenai-spec")
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "head_to_head.py"
+    spec = importlib.util.spec_from_file_location("head_to_head", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "h2h"
+    mod.main(["--bundle", str(tiny_pair["bundle"]), "--ours", "2,auto", "--genai", "2", "--num-prompts", "2",
+              "--repeats", "2", "--max-new-tokens", "12", "--threads", "1", "--peer-cache", str(tmp_path / "peers"),
+              "--out", str(out)])
+    report = json.loads((out / "head_to_head.json").read_text())
+    rows = {r["system"]: r for r in report["rows"]}
+    assert set(rows) == {"ours target-only", "ours K=2", "ours K=auto", "genai target-only", "genai K=2"}
+    assert all(r["identical_to_target_only"] and len(r["per_repeat"]) == 2 for r in rows.values())
+    best = max(rows["ours K=2"]["tokens_per_second"], rows["ours K=auto"]["tokens_per_second"])
+    assert report["summary"]["ours_best_over_genai_best"] == pytest.approx(best / rows["genai K=2"]["tokens_per_second"])
+    assert (out / "head_to_head.md").read_text().count("| yes |") == 5
