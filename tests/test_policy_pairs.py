@@ -39,7 +39,7 @@ def test_auto_reaches_the_best_fixed_k_on_unseen_pairs(tiny_pair, bundle_key, co
     gen = specdec_rt.load(tiny_pair[bundle_key], threads=1)
     gen._cost_model = cost  # injected: make_policy uses it instead of measuring
     # the costs are modelled, so the policy must not calibrate them against real draft timings
-    monkeypatch.setattr(AdaptivePolicy, "observe_step", lambda self, k, seconds, width=1: None)
+    monkeypatch.setattr(AdaptivePolicy, "observe_step", lambda self, *a, **kw: None)
 
     def run(k):
         out = []
@@ -64,6 +64,22 @@ def test_step_overhead_is_learned_and_favours_longer_blocks():
         policy.observe_step(4, policy.model_step_time(4) + 0.8)
     assert 0.75 < policy.step_overhead <= 0.8
     assert policy.best_k() > k_before
+
+
+def test_in_loop_model_costs_are_learned_apart_from_the_step_overhead():
+    """Drafting that costs 2x its micro-benchmark in the loop is a cost per draft token, not per
+    step: learned as draft_scale it shortens K, where folded into step_overhead it lengthened it.
+    A verify call slower than measured (target_scale) is learned the same way."""
+    cost = CostModel([1.0 + 0.08 * s for s in range(16)], 0.3)
+    policy = AdaptivePolicy(cost, accept=[0.85] * 12)
+    k_before = policy.best_k()
+    for k in [4, 6] * 100:  # drafting took 2 k c, verifying 1.2 T(k + 1); nothing else was missed
+        drafting = 2.0 * k * cost.draft_step
+        verify = 1.2 * cost.target(k + 1)
+        policy.observe_step(k, drafting + verify, draft_seconds=drafting, verify_seconds=verify)
+    assert 1.9 < policy.draft_scale <= 2.0 and 1.18 < policy.target_scale <= 1.2
+    assert policy.step_overhead < 0.01
+    assert policy.best_k() < k_before
 
 
 def test_tree_policy_learns_step_overheads_for_chains_and_branches():

@@ -161,6 +161,12 @@ class AdaptivePolicy:
     # measured on a 6-layer int8 self-draft pair, where it made the difference between "auto"
     # stopping at K = 3-5 and reaching the best fixed K (8-10)
     step_overhead: float = 0.0
+    # a draft call's cost in the loop over its micro-benchmarked cost (EMA of each step's drafting
+    # time / (K c)): drafting right after a verify call runs on caches the target evicted,
+    # measured 1.2-1.5x the warm figure on the reference pair. Learned apart from step_overhead,
+    # which would otherwise absorb a cost that grows with K as a constant and push K too long
+    draft_scale: float = 1.0
+    target_scale: float = 1.0  # the same for the verify call (EMA of its time / T(K + 1))
     clock: object = time.perf_counter  # the cost model's clock, for observe_step's timings
     _idle: int = 0
     _backoff: int = 1  # probe interval multiplier while K = 0
@@ -178,17 +184,18 @@ class AdaptivePolicy:
 
     def model_step_time(self, k: int, width: int = 1) -> float:
         """:meth:`step_time` from the micro-benchmarked costs alone."""
-        drafting = k * self.cost.draft(width)
+        drafting = k * self.cost.draft(width) * self.draft_scale
         if self.overlap:
             drafting *= 1.0 - hit_probability(self.accept, k)
-        return drafting + self.cost.target(k + 1, width)
+        return drafting + self.cost.target(k + 1, width) * self.target_scale
 
     def best_k(self, width: int = 1) -> int:
         """The K maximising expected tokens per second for a batch of ``width`` sequences (each
         sequence expects the same tokens per step, so the batch's rate is ``width`` times it)."""
         ks = np.arange(self.k_max + 1)
         tokens = expected_chain_tokens(self.accept, self.k_max)
-        key = (width, round(self.step_overhead / max(self.cost.target(1, width), 1e-12), 2))
+        key = (width, round(self.step_overhead / max(self.cost.target(1, width), 1e-12), 2),
+               round(self.draft_scale, 2), round(self.target_scale, 2))
         times = None if self.overlap else self._step_times.get(key)
         if times is None:  # costs are fixed once measured: tabulate them once per width
             # (with overlap the step time depends on the acceptance estimates: every time)
@@ -211,12 +218,22 @@ class AdaptivePolicy:
         for j in range(self._tested, self.k_max):
             self.accept[j] = self.accept[self._tested - 1]
 
-    def observe_step(self, k: int, seconds: float, width: int = 1) -> None:
+    def observe_step(self, k: int, seconds: float, width: int = 1, draft_seconds: float | None = None,
+                     verify_seconds: float | None = None) -> None:
         """One whole step (draft, verify, accept) of ``width`` rows drafting ``k`` tokens took
-        ``seconds`` (policy clock): fold what the micro-benchmarked model missed into
-        :attr:`step_overhead` (clipped to [0, 2 T(1)], so one descheduled step cannot swamp it)."""
+        ``seconds`` (policy clock), ``draft_seconds`` of it drafting and ``verify_seconds`` in the
+        verify call (None: not measured, e.g. overlapped): fold those into :attr:`draft_scale`
+        and :attr:`target_scale` (clipped to [0.5, 4]) and what the model still misses into
+        :attr:`step_overhead` (clipped to [0, 2 T(1)]), so one descheduled step cannot swamp
+        any of them."""
         if k <= 0:  # no drafting, no model switch: nothing to learn about drafting steps
             return
+        c = self.cost.draft(width)
+        if draft_seconds is not None and c > 0:
+            self.draft_scale = 0.95 * self.draft_scale + 0.05 * min(max(draft_seconds / (k * c), 0.5), 4.0)
+        t = self.cost.target(k + 1, width)
+        if verify_seconds is not None and t > 0:
+            self.target_scale = 0.95 * self.target_scale + 0.05 * min(max(verify_seconds / t, 0.5), 4.0)
         t1 = self.cost.target(1, width)
         residual = min(max(seconds - self.model_step_time(k, width), 0.0), 2.0 * t1)  # per step: no numpy
         self.step_overhead = 0.95 * self.step_overhead + 0.05 * residual

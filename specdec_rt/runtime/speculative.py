@@ -250,9 +250,13 @@ def _step(target: OrtEngine, drafter: Drafter | None, rows: list[Row], k: int,
     proposals: list[tuple[list[int], np.ndarray | None]] = [([], None)] * len(rows)
     observe = getattr(policy, "observe_step", None)  # calibrates the policy to what steps cost here
     step_t0 = policy.clock() if observe is not None else 0.0
+    draft_seconds = None  # on the policy's clock, for its in-loop draft cost (sequential steps)
     if drafter is not None and any(ks):
         t0 = time.perf_counter()
+        d0 = policy.clock() if observe is not None else 0.0
         proposals = _draft(drafter, rows, ks)
+        if observe is not None and overlap is None:
+            draft_seconds = policy.clock() - d0
         for r in rows:
             r.stats.time_draft += time.perf_counter() - t0
 
@@ -260,8 +264,12 @@ def _step(target: OrtEngine, drafter: Drafter | None, rows: list[Row], k: int,
     t0 = time.perf_counter()
     ids = [np.asarray([r.tokens[-1]] + drafts, dtype=np.int64) for r, (drafts, _) in zip(rows, proposals)]
     seqs = [r.seq for r in rows]
+    verify_seconds = None
     if overlap is None or drafter is None:
+        v0 = policy.clock() if observe is not None else 0.0
         logits = target.forward_rows(seqs, ids)  # causal, at each row's own length
+        if observe is not None:
+            verify_seconds = policy.clock() - v0
     else:  # the target verifies on the worker thread while the draft looks ahead on this one
         verifying = overlap.submit(target.forward_rows, seqs, ids)
         t1 = time.perf_counter()
@@ -301,7 +309,8 @@ def _step(target: OrtEngine, drafter: Drafter | None, rows: list[Row], k: int,
             r.finished = "context"
         out.append(new)
     if observe is not None:
-        observe(max(len(d) for d, _ in proposals), policy.clock() - step_t0, len(rows))
+        observe(max(len(d) for d, _ in proposals), policy.clock() - step_t0, len(rows), draft_seconds=draft_seconds,
+                verify_seconds=verify_seconds)
     return out
 
 
