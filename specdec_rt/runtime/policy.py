@@ -387,23 +387,14 @@ class TreePolicy:
             d, rank = int(tpl.depths[i]) - 1, tpl.ranks[i]
             p = a[d] if rank == 0 else (1 - a[d]) * b[d] * (1 - b[d]) ** (rank - 1)
             value[i] = value[tpl.parents[i]] * p
-        widths: dict[int, int] = {}
-        for u in range(tpl.size):
-            if tpl.children[u]:
-                widths[int(tpl.depths[u])] = widths.get(int(tpl.depths[u]), 0) + 1
-        seconds = self.model_seconds(tpl, widths) + (self._branch_overhead() if not tpl.is_chain
-                                                     else self.step_overhead if tpl.size > 1 else 0.0)
+        seconds = self.model_seconds(tpl) + (self._branch_overhead() if not tpl.is_chain
+                                             else self.step_overhead if tpl.size > 1 else 0.0)
         return float(sum(value)), seconds
 
-    def model_seconds(self, tpl, widths: dict[int, int] | None = None) -> float:
+    def model_seconds(self, tpl) -> float:
         """A step of template ``tpl`` from the micro-benchmarked costs alone: one draft call per
-        expanded level, one verify call of all its nodes."""
-        if widths is None:
-            widths = {}
-            for u in range(tpl.size):
-                if tpl.children[u]:
-                    widths[int(tpl.depths[u])] = widths.get(int(tpl.depths[u]), 0) + 1
-        return sum(self.draft_call(w) for w in widths.values()) + self.cost.target(tpl.size)
+        expanded level (``Template.draft_widths``), one verify call of all its nodes."""
+        return sum(self.draft_call(w) for w in tpl.draft_widths) + self.cost.target(tpl.size)
 
     def _branch_overhead(self) -> float:
         return self.step_overhead if self.tree_overhead is None else self.tree_overhead

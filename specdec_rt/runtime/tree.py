@@ -117,6 +117,8 @@ class Template:
             self.levels.append(np.asarray(nodes, dtype=np.int64))
             self.level_visible.append(v)
             self.level_block.append(np.where(v, np.float32(0), NEG_INF).astype(np.float32))
+        # rows of each draft call drafting this shape: the root's (catch-up) call, then the levels
+        self.draft_widths: list[int] = [1] + [len(nodes) for nodes in self.levels] if n > 1 else []
 
     @classmethod
     def chain(cls, k: int) -> "Template":
