@@ -398,8 +398,7 @@ class OrtEngine(EngineBase):
             return super().step(token, seq)
         self._fit(p + 1)
         w = self._wins.get((1, seq)) if self.past_window else None
-        if w is not None and w.keys is self.cache.keys and w.c == min(-(-p // self.past_window) * self.past_window,
-                                                                       self.cache.stride):
+        if w is not None and w.keys is self.cache.keys and w.c == self._window_end(p):
             row = self._step_window(w, token, p, seq)
         else:
             self._ids1[0, 0] = token
@@ -422,14 +421,23 @@ class OrtEngine(EngineBase):
             row[p:w.c] = NEG_INF
             row[w.c] = 0.0
         w.causal_p = p
+        self._run_window(w, 1, p, seq)
+        return w.logits[0, 0]
+
+    def _window_end(self, p: int) -> int:
+        """C: the past bound for a sequence of ``p`` positions, ``p`` rounded up to the window."""
+        return min(-(-p // self.past_window) * self.past_window, self.cache.stride)
+
+    def _run_window(self, w: "_WindowBindings", s: int, p: int, seq: int) -> None:
+        """Run the bound call and copy its ``s`` new K/V rows into the cache at position ``p``."""
         t0 = time.perf_counter()
         self._run_binding(w.binding, None)
         self.model_time += time.perf_counter() - t0
         o = (seq * self.cache.stride + p) * w.token
-        for flat, new in w.copies:
-            flat[o:o + w.token] = new
+        n = s * w.token
+        for flat, new in w.copies:  # the S new rows of each layer and kind, into the cache
+            flat[o:o + n] = new
         self.calls += 1
-        return w.logits[0, 0]
 
     def _seq_views(self, seq: int) -> list:
         """``(past_key name, past_value name, K, V)`` per layer, K and V the ``[1, stride, Hkv, D]``
@@ -477,7 +485,7 @@ class OrtEngine(EngineBase):
         cache = self.cache
         if w.s != s or w.seq != seq or w.keys is not cache.keys:
             self._window_buffers(w, s, seq)
-        c = min(-(-p // self.past_window) * self.past_window, cache.stride)
+        c = self._window_end(p)
         if w.c != c:
             self._window_past(w, c)
         w.ids[0] = input_ids
@@ -488,14 +496,7 @@ class OrtEngine(EngineBase):
         mb[:, :p] = m[:, :p]
         mb[:, p:c] = NEG_INF
         mb[:, c:] = m[:, p:]
-        t0 = time.perf_counter()
-        self._run_binding(w.binding, None)
-        self.model_time += time.perf_counter() - t0
-        o = (seq * cache.stride + p) * w.token
-        n = s * w.token
-        for flat, new in w.copies:  # the S new rows of each layer and kind, into the cache
-            flat[o:o + n] = new
-        self.calls += 1
+        self._run_window(w, s, p, seq)
         return w.logits[0]
 
     def _window_buffers(self, w: "_WindowBindings", s: int, seq: int) -> None:
