@@ -15,7 +15,6 @@ checkpoints into ``--peer-cache`` as ``specdec-bench`` does.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import specdec_rt  # noqa: E402
 from specdec_rt.bench import peers as P  # noqa: E402
 from specdec_rt.bench.peer_runs import genai_models  # noqa: E402
+from specdec_rt.bench.report import write_outputs  # noqa: E402
 from specdec_rt.bench.runner import BenchConfig, load_prompts, machine_description  # noqa: E402
 
 
@@ -119,24 +119,24 @@ def main(argv: list[str] | None = None) -> None:
         "ours_best_over_our_target_only": best_ours["tokens_per_second"] / by["ours target-only"]["tokens_per_second"],
         "genai_target_only_over_ours": by["genai target-only"]["tokens_per_second"] / by["ours target-only"]["tokens_per_second"],
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    settings = {k: v for k, v in vars(args).items()}
-    (out / "head_to_head.json").write_text(json.dumps({"machine": machine_description(), "settings": settings,
-                                                       "rows": rows, "summary": summary}, indent=2))
+    results = {"machine": machine_description(), "settings": dict(vars(args)), "rows": rows, "summary": summary}
+    written = write_outputs(results, Path(args.out), "head_to_head", _markdown, lambda results, out: [])
+    print(written["markdown"], end="")
+
+
+def _markdown(results: dict) -> str:
+    summary = results["summary"]
     lines = ["| system | tok/s | per repeat | identical to target-only |", "|---|---|---|---|"]
-    for r in rows:
+    for r in results["rows"]:
         lines.append(f"| {r['system']} | {r['tokens_per_second']:.1f} | "
                      f"{', '.join(f'{x:.0f}' for x in r['per_repeat'])} | {'yes' if r['identical_to_target_only'] else 'NO'} |")
     lines.append("")
-    lines.append(f"Our best ({best_ours['system']}) / genai's best ({best_theirs['system']}): "
+    lines.append(f"Our best ({summary['best_ours']}) / genai's best ({summary['best_genai']}): "
                  f"**{summary['ours_best_over_genai_best']:.2f}x** (per repeat: "
-                 f"{', '.join(f'{x:.2f}' for x in per_rep_ratio)}); ours over our target-only "
+                 f"{', '.join(f'{x:.2f}' for x in summary['per_repeat_ratio'])}); ours over our target-only "
                  f"{summary['ours_best_over_our_target_only']:.2f}x; genai target-only / ours "
                  f"{summary['genai_target_only_over_ours']:.2f}.")
-    (out / "head_to_head.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
+    return "\n".join(lines) + "\n"
 
 if __name__ == "__main__":
     main()
