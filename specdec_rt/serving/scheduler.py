@@ -94,6 +94,15 @@ class Job:
         for its deadline (set just after the worker's own deadline check), else ``cancelled``."""
         return deadline_error(self) if self.cancel_reason == "deadline" else Event("cancelled")
 
+    def outcome_before_start(self, now: float) -> Event | None:
+        """The terminal event of a job that must not start, or None: the deadline is checked
+        first, because the reader cancels a job whose deadline passed."""
+        if self.timed_out(now):
+            return deadline_error(self)
+        if self.cancelled:
+            return self.cancelled_outcome()
+        return None
+
     # -- worker side (any thread) ----------------------------------------------------------------
     def post(self, event: Event) -> None:
         try:
@@ -254,15 +263,11 @@ class SerialScheduler:
 
         metrics = self.metrics
         job.started = time.monotonic()
-        if job.timed_out(job.started):  # first: the reader cancels a
-            job.post(deadline_error(job))  # job whose deadline passed
+        outcome = job.outcome_before_start(job.started)
+        if outcome is not None:
+            job.post(outcome)
             if metrics is not None:
-                metrics.finished("deadline")
-            return
-        if job.cancelled:
-            job.post(job.cancelled_outcome())
-            if metrics is not None:
-                metrics.finished("deadline" if job.cancel_reason == "deadline" else "abort")
+                metrics.finished("abort" if outcome.kind == "cancelled" else "deadline")
             return
         if metrics is not None:
             metrics.queue_time(job.started - job.arrival)
@@ -422,12 +427,8 @@ class BatchScheduler(SerialScheduler):
         gen, metrics = self.generator, self.metrics
         job.started = time.monotonic()
         result = GenerationResult("", [], GenerationStats())
-        outcome = None
-        if job.timed_out(job.started):  # before cancelled: the reader
-            outcome = deadline_error(job)  # cancels a job whose deadline passed
-        elif job.cancelled:
-            outcome = job.cancelled_outcome()
-        else:
+        outcome = job.outcome_before_start(job.started)
+        if outcome is None:
             if metrics is not None:
                 metrics.queue_time(job.started - job.arrival)
             kw = job.spec.kwargs
