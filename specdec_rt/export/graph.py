@@ -64,8 +64,8 @@ class GraphOptions:
     quantize: str | None = None  # "int4" | "int8": weight-only, quantized while the graph is built
     block_size: int = BLOCK_SIZE
     quantize_embedding: bool = True  # with ``quantize``: the embedding table too (GatherBlockQuantized)
-    # one ONNX ``Attention`` node per layer instead of ~18 decomposed ops (draft graphs: float32
-    # sums, opset 23); see GraphBuilder._fused_attention
+    # one ONNX ``Attention`` node per layer instead of ~18 decomposed ops (drafts, and targets
+    # exported with --target-attention fused: float32 sums, opset 23); see GraphBuilder._fused_attention
     fused_attention: bool = False
 
 
@@ -486,9 +486,10 @@ class GraphBuilder:
     def _fused_attention(self, q: str, k: str, v: str, layer: int, mask: str, hint: str) -> str:
         """Attention as one ONNX ``Attention`` node (opset 23; ONNX Runtime's CPU kernel since 1.23).
 
-        Draft graphs only (``GraphOptions.fused_attention``): the kernel sums over keys in float32,
-        in its own grouping, so tree rows are not bit-identical to sequential rows (the target's
-        float64 sums are, see :meth:`_attention`); a draft's numbers only decide what is proposed.
+        Drafts by default, targets with ``--target-attention fused`` (``GraphOptions.fused_attention``):
+        the kernel sums over keys in float32, in its own grouping, so tree rows are not
+        bit-identical to sequential rows (the target's float64 sums are, see :meth:`_attention`);
+        a draft's numbers only decide what is proposed, a fused target is exact for chains only.
         The contract is unchanged: past K/V stay sequence-major ``[B, P, Hkv, D]`` and are joined
         with the new rows as ``[B, P+S, Hkv*D]`` (a 3-D K/V is read as ``[B, T, Hkv, D]``, so the
         reshapes move no data); the additive ``[B, 1, S, T]`` mask (causal, chain, tree, per-layer

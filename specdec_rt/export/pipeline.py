@@ -48,7 +48,7 @@ class ExportOptions:
     max_context: int | None = None
     portable: bool = False
     # the draft's attention as one ONNX Attention node per layer (opset 23, float32 sums); never
-    # for the target (float64 sums) nor with ``portable``; False: the decomposed attention
+    # with ``portable``; False: the decomposed attention (the target's: ``target_attention``)
     draft_fused_attention: bool = True
     # "fp64": the target sums attention in float64 (tree rows bit-identical to sequential ones);
     # "native": float32 sums in the decomposed ops; "fused": one ONNX Attention node per layer
