@@ -100,3 +100,24 @@ def test_tree_policy_learns_step_overheads_for_chains_and_branches():
         policy.observe_step(tree, policy.model_seconds(tree) + 5.0)
     assert policy.tree_overhead > 1.9
     assert policy.plan().is_chain
+
+
+def test_tree_policy_learns_in_loop_model_costs_like_the_chain_policy():
+    """Draft calls at 2x their micro-benchmark in the loop are a cost per drafted level: the tree
+    policy learns it as draft_scale (not as a per-step overhead, which lengthened its chains past
+    chain "auto"'s), so its best chain shortens, and it agrees with AdaptivePolicy's K."""
+    cost = CostModel([1.0 + 0.08 * s for s in range(16)], 0.3)
+    tree = TreePolicy(cost, draft_rows=[0.3, 0.33, 0.36, 0.39], accept=[0.85] * 20, second=[0.3] * 20)
+    chain = AdaptivePolicy(cost, accept=[0.85] * 12)
+    _, before = tree.best_chain(15)
+    for k in [4, 6] * 100:  # drafting took 2 k c, verifying 1.2 T(k + 1); nothing else was missed
+        tpl = tree.chain(k)
+        drafting = 2.0 * k * cost.draft_step
+        verify = 1.2 * cost.target(k + 1)
+        tree.observe_step(tpl, drafting + verify, draft_seconds=drafting, verify_seconds=verify)
+        chain.observe_step(k, drafting + verify, draft_seconds=drafting, verify_seconds=verify)
+    assert 1.9 < tree.draft_scale <= 2.0 and 1.18 < tree.target_scale <= 1.2
+    assert tree.step_overhead < 0.01
+    _, after = tree.best_chain(15)
+    assert after.size < before.size
+    assert after.size - 1 == chain.best_k()

@@ -154,7 +154,8 @@ class FixedTemplate:
 
     clock = staticmethod(time.perf_counter)
 
-    def observe_step(self, tpl: Template, seconds: float) -> None:
+    def observe_step(self, tpl: Template, seconds: float, draft_seconds: float | None = None,
+                     verify_seconds: float | None = None) -> None:
         pass
 
 
@@ -498,7 +499,9 @@ def _run_templates(target: OrtEngine, drafter: ModelDrafter, tokens: list[int], 
         step_t0 = policy.clock()
         tpl = policy.choose(limit)
         t0 = time.perf_counter()
+        d0 = policy.clock()
         ids, top, qs, draws = dr.build(tokens, tpl, params, rng)
+        draft_seconds = policy.clock() - d0
         t1 = time.perf_counter()
         stats.time_draft += t1 - t0
         n = tpl.size
@@ -510,7 +513,9 @@ def _run_templates(target: OrtEngine, drafter: ModelDrafter, tokens: list[int], 
         else:
             mask = np.zeros((n, p0 + n), dtype=np.float32)
             mask[:, p0:] = tpl.block
+        v0 = policy.clock()
         logits = target.forward(ids, pos, mask)
+        verify_seconds = policy.clock() - v0
         children = tpl.children
         if greedy:
             best = logits.argmax(axis=-1)
@@ -560,7 +565,8 @@ def _run_templates(target: OrtEngine, drafter: ModelDrafter, tokens: list[int], 
         stats.draft_lengths.append(n - 1)
         new = clip_new_tokens([int(ids[i]) for i in path[1:]] + [nxt_tok], cfg.max_new_tokens - generated, eos)
         clock.commit(stats, tokens, new, drafter)
-        policy.observe_step(tpl, policy.clock() - step_t0)  # calibrates the shape model to this machine
+        # calibrates the shape model to this machine
+        policy.observe_step(tpl, policy.clock() - step_t0, draft_seconds, verify_seconds)
         yield new
         if new[-1] in eos:
             return
