@@ -121,3 +121,19 @@ def test_tree_policy_learns_in_loop_model_costs_like_the_chain_policy():
     _, after = tree.best_chain(15)
     assert after.size < before.size
     assert after.size - 1 == chain.best_k()
+
+
+def test_a_draft_that_never_drafts_costs_nothing(tiny_pair, monkeypatch):
+    """Where "auto" settles at K = 0 the draft model never runs, not even the prompt's prefill
+    (ModelDrafter.start is lazy: the prompt is caught up at the first proposal)."""
+    gen = specdec_rt.load(tiny_pair["bundle"], threads=1)
+    reference = gen.generate(PROMPTS[2], max_new_tokens=24, drafter=None, temperature=0).text
+    gen.generate(PROMPTS[0], max_new_tokens=4, num_draft_tokens="auto")  # measures the cost model
+    monkeypatch.setattr(AdaptivePolicy, "choose", lambda self, width=1: 0)
+    calls = gen.draft_engine.calls
+    out = gen.generate(PROMPTS[2], max_new_tokens=24, num_draft_tokens="auto", temperature=0)
+    assert out.text == reference
+    assert gen.draft_engine.calls == calls
+    monkeypatch.undo()  # and once it drafts, the catch-up brings the whole prompt in
+    out = gen.generate(PROMPTS[2], max_new_tokens=24, num_draft_tokens=4, temperature=0)
+    assert out.text == reference and out.stats.acceptance_rate > 0

@@ -13,7 +13,8 @@ if TYPE_CHECKING:
     from specdec_rt.runtime.speculative import Row
 
 # A catch-up longer than this runs as the sequence's own call before a batched draft step, so a
-# long one does not widen every row of the batch (after prefill it is 1 or 2 tokens).
+# long one does not widen every row of the batch (the first one is the prompt: start() is lazy;
+# later ones are 1 or 2 tokens).
 BATCH_CATCH_UP = 4
 
 
@@ -59,11 +60,15 @@ class ModelDrafter:
         return self._seen[seq]
 
     def start(self, prompt: list[int], seq: int = 0) -> None:
-        """Prefill the prompt in the sequence's own call(s), so it joins a batch with nothing
-        to catch up on but the target's first token."""
+        """A fresh sequence; the prompt enters the draft cache lazily, at the first
+        :meth:`propose` (in the sequence's own call(s), as the catch-up of its unseen tokens).
+
+        Lazily because drafting may never come: where "auto" settles at K = 0 (a costly or
+        weak draft) an eager prefill was pure loss, ~3% of a 96-token generation on a draft
+        at c = 0.2 (measured: scripts/policy_pairs.py, layer-skip pair); it also takes the
+        draft's prefill off the time to the first token."""
         self.engine.reset(seq)
-        self.engine.extend(prompt, seq=seq)
-        self._seen[seq] = list(prompt)
+        self._seen[seq] = []
 
     def _step(self, pending: list[int], seq: int = 0) -> np.ndarray:
         """Run one sequence's unseen tokens; return the last one's logits row."""
