@@ -137,3 +137,19 @@ def test_a_draft_that_never_drafts_costs_nothing(tiny_pair, monkeypatch):
     monkeypatch.undo()  # and once it drafts, the catch-up brings the whole prompt in
     out = gen.generate(PROMPTS[2], max_new_tokens=24, num_draft_tokens=4, temperature=0)
     assert out.text == reference and out.stats.acceptance_rate > 0
+
+
+def test_tree_policy_backs_off_probing_where_drafting_never_pays():
+    """A costly, rarely right draft: the plan is K = 0, and the probes that re-test it back off
+    (as AdaptivePolicy's do) instead of costing one drafting step in every probe_every."""
+    cost = CostModel([1.0 + 0.1 * s for s in range(16)], 0.8)
+    policy = TreePolicy(cost, draft_rows=[0.8, 0.9, 1.0, 1.1], accept=[0.05] * 20, second=[0.05] * 20)
+    drafted = 0
+    for _ in range(512):
+        tpl = policy.choose()
+        if tpl.size > 1:
+            drafted += 1
+            policy.observe(1, 0.0, 0.0)  # the probe's first token was wrong
+            policy.end_step()
+    assert policy.plan().size == 1
+    assert drafted <= 10, drafted  # 64 probes without the back-off
