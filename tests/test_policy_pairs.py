@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 import specdec_rt
-from specdec_rt.runtime.policy import AdaptivePolicy, CostModel, TreePolicy
+from specdec_rt.runtime.policy import AdaptivePolicy, CostModel, TreePolicy, expected_chain_tokens
 
 PROMPTS = ["def add(a, b):", "for i in range(", "class Stack:\n    def", "import os\nimport",
            "x = [1, 2, 3]\nprint(", "while True:\n    ", "if x is None:\n", "return self."]
@@ -153,3 +153,22 @@ def test_tree_policy_backs_off_probing_where_drafting_never_pays():
             policy.end_step()
     assert policy.plan().size == 1
     assert drafted <= 10, drafted  # 64 probes without the back-off
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_best_k_is_the_argmax_of_step_time(overlap):
+    """best_k's array form prices every K as step_time does (learned scales, the per-step
+    overhead, the look-ahead's hit probability with overlap), at every batch width."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    cost = CostModel([1.0 + 0.07 * s for s in range(16)], 0.2, {4: ([2.0 + 0.3 * s for s in range(16)], 0.5)})
+    policy = AdaptivePolicy(cost, overlap=overlap)
+    for _ in range(200):
+        policy.accept = list(rng.uniform(0.2, 1.0, policy.k_max))
+        policy.draft_scale, policy.target_scale = rng.uniform(0.5, 3.0, 2)
+        policy.step_overhead = rng.uniform(0.0, 1.0)
+        tokens = expected_chain_tokens(policy.accept, policy.k_max)
+        for width in (1, 4):
+            rates = [tokens[k] / policy.step_time(k, width) for k in range(policy.k_max + 1)]
+            assert policy.best_k(width) == int(np.argmax(rates))
