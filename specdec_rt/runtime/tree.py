@@ -352,9 +352,11 @@ class TemplateDrafter:
 
     @staticmethod
     def _fill_greedy(tpl, nodes, x, ids, top, qs, draws, params, rng) -> None:
-        x = np.array(x, dtype=np.float32)  # a copy: rows are masked in place below
+        # the top choice is masked in place and restored (no copy of the [F, V] logits: this runs
+        # once per drafted level)
         rows = np.arange(len(nodes))
         t1 = x.argmax(axis=1)
+        saved = x[rows, t1]
         x[rows, t1] = -np.inf
         t2 = x.argmax(axis=1)
         top[nodes, 0] = t1
@@ -368,6 +370,7 @@ class TemplateDrafter:
                     for _ in range(rank - 1):
                         scratch[int(np.argmax(scratch))] = -np.inf
                     ids[child] = int(np.argmax(scratch))
+        x[rows, t1] = saved
 
     def _fill_sampled(self, tpl, nodes, x, ids, top, qs, draws, params, rng) -> None:
         probs = probabilities(x, params)
