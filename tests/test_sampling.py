@@ -26,9 +26,11 @@ CONFIGS = [
     dict(temperature=1.0, top_k=0, top_p=1.0, drafter="prompt_lookup", num_draft_tokens=2),
     dict(temperature=1.0, top_k=0, top_p=1.0, drafter="model", num_draft_tokens=6, speculation="tree"),
     dict(temperature=0.8, top_k=6, top_p=0.9, drafter="model", num_draft_tokens=9, speculation="tree"),
-    # the shape policy (whatever it chooses), and a fixed branching template: two draws at the
-    # root and at its first child, one at its second
-    dict(temperature=1.0, top_k=0, top_p=1.0, drafter="model", num_draft_tokens="auto", speculation="tree"),
+    # the shape policy (whatever it chooses; its draft made cheap, or on this pair, where the
+    # draft costs half a target call and agrees half the time, it rightly chooses not to draft),
+    # and a fixed branching template: two draws at the root and at its first child, one at its second
+    dict(temperature=1.0, top_k=0, top_p=1.0, drafter="model", num_draft_tokens="auto", speculation="tree",
+         cheap_draft=True),
     dict(temperature=0.9, top_k=0, top_p=1.0, drafter="model", num_draft_tokens="auto", speculation="tree",
          tree_shape=Template((-1, 0, 0, 1, 1, 2), (0, 0, 1, 0, 1, 0))),
 ]
@@ -91,7 +93,13 @@ def gen(tiny_vocab_pair):
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"T{c['temperature']}-k{c['top_k']}-p{c['top_p']}-"
                          f"{c['drafter']}-{c.get('speculation', 'chain')}-{c['num_draft_tokens']}"
                          f"{'-template' if c.get('tree_shape') else ''}")
-def test_sampled_tokens_follow_target_distribution(tiny_vocab_pair, gen, cfg):
+def test_sampled_tokens_follow_target_distribution(tiny_vocab_pair, gen, cfg, monkeypatch):
+    if cfg.get("cheap_draft"):  # modelled costs: the policy must not calibrate them to real timings
+        from specdec_rt.runtime.policy import TreePolicy, make_tree_policy
+
+        policy = make_tree_policy(gen)
+        monkeypatch.setattr(policy, "draft_rows", [0.01 * c for c in policy.draft_rows])
+        monkeypatch.setattr(TreePolicy, "observe_step", lambda self, *a, **kw: None)
     joint = exact_joint(tiny_vocab_pair["target"], cfg["temperature"], cfg["top_k"], cfg["top_p"])
     counts = np.zeros_like(joint)
     rejected = proposed = 0
