@@ -168,7 +168,49 @@ def test_best_k_is_the_argmax_of_step_time(overlap):
         policy.accept = list(rng.uniform(0.2, 1.0, policy.k_max))
         policy.draft_scale, policy.target_scale = rng.uniform(0.5, 3.0, 2)
         policy.step_overhead = rng.uniform(0.0, 1.0)
+        policy.first_draft_scale = None if rng.uniform() < 0.3 else rng.uniform(0.5, 6.0)
         tokens = expected_chain_tokens(policy.accept, policy.k_max)
         for width in (1, 4):
             rates = [tokens[k] / policy.step_time(k, width) for k in range(policy.k_max + 1)]
             assert policy.best_k(width) == int(np.argmax(rates))
+
+
+def test_the_first_draft_call_is_priced_per_step_not_per_token():
+    """A drafting step's first call (the catch-up, on caches the verify call evicted) costing 4 c
+    while the others cost c: learned from the drafter's reported share as first_draft_scale, it
+    is a cost per step and favours longer blocks, where averaged into draft_scale it made every
+    drafted token look dear and shortened K."""
+    cost = CostModel([1.0 + 0.08 * s for s in range(16)], 0.3)
+    split = AdaptivePolicy(cost, accept=[0.9] * 12)
+    averaged = AdaptivePolicy(cost, accept=[0.9] * 12)
+    for k in [4, 6] * 100:
+        drafting = (4.0 + (k - 1)) * cost.draft_step
+        verify = cost.target(k + 1)
+        split.observe_step(k, drafting + verify, draft_seconds=drafting, verify_seconds=verify,
+                           first_draft_share=4.0 / (4.0 + k - 1))
+        averaged.observe_step(k, drafting + verify, draft_seconds=drafting, verify_seconds=verify)
+    assert 3.9 < split.first_draft_scale <= 4.0 and 0.99 < split.draft_scale <= 1.01
+    assert split.step_overhead < 0.01
+    assert split.best_k() > averaged.best_k()
+
+
+def test_tree_policy_prices_the_first_draft_call_as_the_chain_policy_does():
+    """The same first-call split in the tree policy: its best chain agrees with AdaptivePolicy's K
+    and every branching template pays the first call's extra once."""
+    cost = CostModel([1.0 + 0.08 * s for s in range(16)], 0.3)
+    tree = TreePolicy(cost, draft_rows=[0.3, 0.33, 0.36, 0.39], accept=[0.9] * 20, second=[0.3] * 20)
+    chain = AdaptivePolicy(cost, accept=[0.9] * 12)
+    for k in [4, 6] * 100:
+        drafting = (4.0 + (k - 1)) * cost.draft_step
+        verify = cost.target(k + 1)
+        share = 4.0 / (4.0 + k - 1)
+        tree.observe_step(tree.chain(k), drafting + verify, drafting, verify, share)
+        chain.observe_step(k, drafting + verify, draft_seconds=drafting, verify_seconds=verify,
+                           first_draft_share=share)
+    assert 3.9 < tree.first_draft_scale <= 4.0 and 0.99 < tree.draft_scale <= 1.01
+    _, best = tree.best_chain(15)
+    assert best.size - 1 == chain.best_k() and chain.best_k() > 0
+    t = tree.template((-1, 0, 0, 1), (0, 0, 1, 0))  # a small branching tree
+    # the root's call at the first-call scale, level 1 (one expanded node) at the later one
+    assert tree.model_seconds(t) == pytest.approx(tree.first_draft_scale * 0.3 + tree.draft_scale * 0.3
+                                                  + tree.target_scale * cost.target(4))

@@ -55,6 +55,13 @@ class ModelDrafter:
         # stop drafting once the product of the draft's top probabilities falls below this
         # (0 = always draft k tokens); set by the adaptive policy
         self.confidence_floor = 0.0
+        # the share of the last proposal's time spent in its first call (the catch-up, on caches
+        # the target's verify call just evicted): the policy prices that call apart, as a cost
+        # per drafting step, from the later ones, a cost per drafted token
+        self.first_call_share: float | None = None
+        # whether the last proposal caught up a prompt (a sequence's first drafting step: start()
+        # is lazy): prefill work, not what a drafting step costs, so the policies skip that step
+        self.caught_up_prompt = False
 
     def seen(self, seq: int = 0) -> list[int]:
         return self._seen[seq]
@@ -97,6 +104,7 @@ class ModelDrafter:
         confidence = [1.0] * len(rows)
         floor = self.confidence_floor
         pending = []
+        self.caught_up_prompt = any(not self._seen[row.seq] for row in rows)
         for row in rows:
             todo = row.tokens[len(self._seen[row.seq]):]
             if len(rows) > 1 and len(todo) > BATCH_CATCH_UP:
@@ -105,8 +113,11 @@ class ModelDrafter:
             pending.append(todo)
         # draft tokens must fit the draft's context
         live = [i for i, (row, k) in enumerate(zip(rows, ks)) if min(k, self.engine.max_len - len(row.tokens)) > 0]
+        first = 0.0
         while live:
             logits = self._step_rows([rows[i].seq for i in live], [pending[i] for i in live])
+            if not first:
+                first = time.perf_counter() - t0
             still = []
             for i, x in zip(live, logits):
                 row = rows[i]
@@ -126,7 +137,9 @@ class ModelDrafter:
                 if len(drafts[i]) < k and not (floor and confidence[i] < floor):
                     still.append(i)
             live = still
-        self.time += time.perf_counter() - t0
+        spent = time.perf_counter() - t0
+        self.time += spent
+        self.first_call_share = first / spent if first and spent > 0 else None
         out = []
         for row, d, q in zip(rows, drafts, qs):
             if row.cfg.params.greedy or not d:

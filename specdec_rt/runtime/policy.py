@@ -140,13 +140,30 @@ def batch_widths(max_width: int) -> list[int]:
     return out + ([max_width] if max_width > 1 else [])
 
 
-def learn_scale(scale: float, measured: float | None, modelled: float) -> float:
+def learn_scale(scale: float, measured: float | None, modelled: float, high: float = 4.0) -> float:
     """One EMA step of a model's in-loop cost over its micro-benchmarked one (``measured`` /
-    ``modelled``, clipped to [0.5, 4] so that one descheduled call cannot swamp it); unchanged
-    when the call was not timed."""
+    ``modelled``, clipped to [0.5, ``high``] so that one descheduled call cannot swamp it);
+    unchanged when the call was not timed."""
     if measured is None or modelled <= 0:
         return scale
-    return 0.95 * scale + 0.05 * min(max(measured / modelled, 0.5), 4.0)
+    return 0.95 * scale + 0.05 * min(max(measured / modelled, 0.5), high)
+
+
+def learn_drafting(policy, draft_seconds: float | None, first_share: float | None,
+                   first_modelled: float, rest_modelled: float) -> None:
+    """Fold one step's drafting time into ``policy.first_draft_scale`` and ``policy.draft_scale``
+    (either policy): with the drafter's ``first_share`` the first call and the rest are learned
+    apart, without it their sum as one scale."""
+    if draft_seconds is None:
+        return
+    if first_share is None:
+        policy.draft_scale = learn_scale(policy.draft_scale, draft_seconds, first_modelled + rest_modelled)
+        return
+    first = draft_seconds * first_share
+    start = policy.draft_scale if policy.first_draft_scale is None else policy.first_draft_scale
+    policy.first_draft_scale = learn_scale(start, first, first_modelled, high=8.0)
+    if rest_modelled > 0:
+        policy.draft_scale = learn_scale(policy.draft_scale, draft_seconds - first, rest_modelled)
 
 
 @dataclass
@@ -175,6 +192,12 @@ class AdaptivePolicy:
     # measured 1.2-1.5x the warm figure on the reference pair. Learned apart from step_overhead,
     # which would otherwise absorb a cost that grows with K as a constant and push K too long
     draft_scale: float = 1.0
+    # the same for a drafting step's first call alone, where the drafter reports its share
+    # (ModelDrafter.first_call_share; None: not seen, draft_scale stands in): the catch-up call
+    # runs on the caches the verify call evicted and costs more than the later ones (measured
+    # 2-3x c on an int8 self-draft pair); priced per drafting step, not per drafted token, it no
+    # longer makes long blocks look dear (there "auto" had settled at K ~5 where K = 10 was best)
+    first_draft_scale: float | None = None
     target_scale: float = 1.0  # the same for the verify call (EMA of its time / T(K + 1))
     clock: object = time.perf_counter  # the cost model's clock, for observe_step's timings
     _idle: int = 0
@@ -194,10 +217,16 @@ class AdaptivePolicy:
 
     def model_step_time(self, k: int, width: int = 1) -> float:
         """:meth:`step_time` from the micro-benchmarked costs alone."""
-        drafting = k * self.cost.draft(width) * self.draft_scale
+        drafting = self._drafting(k, self.cost.draft(width))
         if self.overlap:
             drafting *= 1.0 - hit_probability(self.accept, k)
         return drafting + self.cost.target(k + 1, width) * self.target_scale
+
+    def _drafting(self, k, c: float):
+        """k drafted tokens (an int or an array of them) at c per micro-benchmarked call: the
+        first call at first_draft_scale, the others at draft_scale."""
+        extra = 0.0 if self.first_draft_scale is None else self.first_draft_scale - self.draft_scale
+        return c * (k * self.draft_scale + extra * (k > 0))
 
     def best_k(self, width: int = 1) -> int:
         """The K maximising expected tokens per second for a batch of ``width`` sequences (each
@@ -209,7 +238,7 @@ class AdaptivePolicy:
             ks = self._ks = np.arange(self.k_max + 1)
         tokens = expected_chain_tokens(self.accept, self.k_max)
         c, targets = self._costs_at(width)
-        drafting = ks * (c * self.draft_scale)
+        drafting = self._drafting(ks, c)
         if self.overlap:  # drafting only when the last look-ahead missed (hit_probability)
             drafting = drafting * (1.0 - np.cumprod(self.accept)[np.minimum(ks, self.k_max - 1)])
         times = drafting + targets * self.target_scale + self.step_overhead * (ks > 0)
@@ -241,16 +270,18 @@ class AdaptivePolicy:
             self.accept[j] = self.accept[self._tested - 1]
 
     def observe_step(self, k: int, seconds: float, width: int = 1, draft_seconds: float | None = None,
-                     verify_seconds: float | None = None) -> None:
+                     verify_seconds: float | None = None, first_draft_share: float | None = None) -> None:
         """One whole step (draft, verify, accept) of ``width`` rows drafting ``k`` tokens took
         ``seconds`` (policy clock), ``draft_seconds`` of it drafting and ``verify_seconds`` in the
-        verify call (None: not measured, e.g. overlapped): fold those into :attr:`draft_scale`
-        and :attr:`target_scale` (clipped to [0.5, 4]) and what the model still misses into
+        verify call (None: not measured, e.g. overlapped), ``first_draft_share`` of the drafting
+        in its first call (None: not reported): fold those into :attr:`first_draft_scale`,
+        :attr:`draft_scale` and :attr:`target_scale` (clipped) and what the model still misses into
         :attr:`step_overhead` (clipped to [0, 2 T(1)]), so one descheduled step cannot swamp
         any of them."""
         if k <= 0:  # no drafting, no model switch: nothing to learn about drafting steps
             return
-        self.draft_scale = learn_scale(self.draft_scale, draft_seconds, k * self.cost.draft(width))
+        c = self.cost.draft(width)
+        learn_drafting(self, draft_seconds, first_draft_share, c, (k - 1) * c)
         self.target_scale = learn_scale(self.target_scale, verify_seconds, self.cost.target(k + 1, width))
         t1 = self.cost.target(1, width)
         residual = min(max(seconds - self.model_step_time(k, width), 0.0), 2.0 * t1)  # per step: no numpy
@@ -371,6 +402,7 @@ class TreePolicy:
     # a cost that grows with the template, and the policy drafted longer than chain "auto"
     # (measured on the reference pair: 5.9 vs 5.4 tokens per call, 0.96x its speed)
     draft_scale: float = 1.0
+    first_draft_scale: float | None = None  # a step's first draft call, as in AdaptivePolicy
     target_scale: float = 1.0
     clock: object = time.perf_counter
     _tested: int = 0
@@ -421,17 +453,23 @@ class TreePolicy:
         """A step of template ``tpl`` from the model's calls alone (micro-benchmarked costs times
         their learned in-loop scales): one draft call per expanded level
         (``Template.draft_widths``), one verify call of all its nodes."""
-        return (self._drafting_seconds(tpl) * self.draft_scale
+        if tpl.size <= 1:
+            return self.cost.target(1) * self.target_scale
+        return (self.draft_call(1) * self._first_scale() + self._later_calls(tpl) * self.draft_scale
                 + self.cost.target(tpl.size) * self.target_scale)
 
-    def _drafting_seconds(self, tpl) -> float:
-        return sum(self.draft_call(w) for w in tpl.draft_widths)
+    def _first_scale(self) -> float:
+        return self.draft_scale if self.first_draft_scale is None else self.first_draft_scale
+
+    def _later_calls(self, tpl) -> float:
+        """The micro-benchmarked cost of a template's draft calls after the first (the root's)."""
+        return sum(self.draft_call(w) for w in tpl.draft_widths[1:])
 
     def _branch_overhead(self) -> float:
         return self.step_overhead if self.tree_overhead is None else self.tree_overhead
 
     def observe_step(self, tpl, seconds: float, draft_seconds: float | None = None,
-                     verify_seconds: float | None = None) -> None:
+                     verify_seconds: float | None = None, first_draft_share: float | None = None) -> None:
         """One whole step with template ``tpl`` took ``seconds`` (policy clock), ``draft_seconds``
         of it drafting and ``verify_seconds`` in the verify call: fold those into the in-loop
         scales and what the model still misses into the chain or the branching overhead (EMA,
@@ -439,7 +477,7 @@ class TreePolicy:
         nothing teach nothing."""
         if tpl.size <= 1:
             return
-        self.draft_scale = learn_scale(self.draft_scale, draft_seconds, self._drafting_seconds(tpl))
+        learn_drafting(self, draft_seconds, first_draft_share, self.draft_call(1), self._later_calls(tpl))
         self.target_scale = learn_scale(self.target_scale, verify_seconds, self.cost.target(tpl.size))
         residual = min(max(seconds - self.model_seconds(tpl), 0.0), 2.0 * self.cost.target(1))
         if tpl.is_chain:
@@ -477,8 +515,9 @@ class TreePolicy:
         heap = [(-a[0], 0, 0, 0, 1)]  # (-value, tie, parent, rank, depth)
         tie = 1
         e, draft, best = 1.0, 0.0, None
-        overhead = self._branch_overhead()  # a chain prefix of the growth is priced as a tree:
-        # best_chain already covers chains, this search only has to find branching trees
+        # a chain prefix of the growth is priced as a tree: best_chain already covers chains, this
+        # search only has to find branching trees; every tree pays the first draft call's extra
+        overhead = self._branch_overhead() + self.draft_call(1) * (self._first_scale() - self.draft_scale)
         for n in range(1, n_max + 1):
             if not heap:
                 break
@@ -523,8 +562,9 @@ class TreePolicy:
         targets = self._targets(self.max_nodes)
         ks = np.arange(k_max + 1)
         tokens = expected_chain_tokens(self.accept, k_max)
-        seconds = (ks * (self.draft_call(1) * self.draft_scale) + targets[ks] * self.target_scale
-                   + self.step_overhead * (ks > 0))
+        c = self.draft_call(1)
+        seconds = (ks * (c * self.draft_scale) + (ks > 0) * (c * (self._first_scale() - self.draft_scale))
+                   + targets[ks] * self.target_scale + self.step_overhead * (ks > 0))
         rates = tokens / seconds
         k = int(np.argmax(rates))  # the first maximum: the shortest of equals
         return float(rates[k]), self.chain(k)

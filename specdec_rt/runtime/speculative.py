@@ -308,9 +308,9 @@ def _step(target: OrtEngine, drafter: Drafter | None, rows: list[Row], k: int,
         elif target.lengths[r.seq] + 1 >= target.max_len:
             r.finished = "context"
         out.append(new)
-    if observe is not None:
+    if observe is not None and not getattr(drafter, "caught_up_prompt", False):
         observe(max(len(d) for d, _ in proposals), policy.clock() - step_t0, len(rows), draft_seconds=draft_seconds,
-                verify_seconds=verify_seconds)
+                verify_seconds=verify_seconds, first_draft_share=getattr(drafter, "first_call_share", None))
     return out
 
 

@@ -155,7 +155,7 @@ class FixedTemplate:
     clock = staticmethod(time.perf_counter)
 
     def observe_step(self, tpl: Template, seconds: float, draft_seconds: float | None = None,
-                     verify_seconds: float | None = None) -> None:
+                     verify_seconds: float | None = None, first_draft_share: float | None = None) -> None:
         pass
 
 
@@ -308,6 +308,8 @@ class TemplateDrafter:
 
     def __init__(self, drafter: ModelDrafter) -> None:
         self.d = drafter
+        self.first_call_share: float | None = None  # as ModelDrafter's, for the shape policy
+        self.caught_up_prompt = False  # as ModelDrafter's
 
     def build(self, tokens: list[int], tpl: Template, params: SamplingParams, rng: np.random.Generator):
         """Returns (ids [n], top [n, 2] (greedy; -1 where not expanded), q per node or None,
@@ -321,13 +323,17 @@ class TemplateDrafter:
         draws = None if greedy else [[] for _ in range(n)]
         if n == 1:
             return ids, top, qs, draws
+        t0 = time.perf_counter()
+        self.caught_up_prompt = not d.seen()
         row = d._step(tokens[len(d.seen()):])  # catch up; the root's row
+        first = time.perf_counter() - t0
         fill = self._fill_greedy if greedy else self._fill_sampled
         if tpl.is_chain:
             for depth in range(1, n):
                 fill(tpl, [depth - 1], row[None, :], ids, top, qs, draws, params, rng)
                 if depth < n - 1:
                     row = d._step([int(ids[depth])])
+            self.first_call_share = first / (time.perf_counter() - t0)
             return ids, top, qs, draws
         fill(tpl, [0], row[None, :], ids, top, qs, draws, params, rng)
         base = eng.length  # committed draft prefix incl. the root
@@ -348,6 +354,7 @@ class TemplateDrafter:
             d.calls += 1
             fill(tpl, nodes, logits, ids, top, qs, draws, params, rng)
         eng.rollback(base)  # tree nodes never enter the draft's committed cache
+        self.first_call_share = first / (time.perf_counter() - t0)
         return ids, top, qs, draws
 
     @staticmethod
@@ -568,8 +575,10 @@ def _run_templates(target: OrtEngine, drafter: ModelDrafter, tokens: list[int], 
         stats.draft_lengths.append(n - 1)
         new = clip_new_tokens([int(ids[i]) for i in path[1:]] + [nxt_tok], cfg.max_new_tokens - generated, eos)
         clock.commit(stats, tokens, new, drafter)
-        # calibrates the shape model to this machine
-        policy.observe_step(tpl, policy.clock() - step_t0, draft_seconds, verify_seconds)
+        # calibrates the shape model to this machine (not from a step that caught up a prompt)
+        if n == 1 or not dr.caught_up_prompt:
+            policy.observe_step(tpl, policy.clock() - step_t0, draft_seconds, verify_seconds,
+                                dr.first_call_share if n > 1 else None)
         yield new
         if new[-1] in eos:
             return
