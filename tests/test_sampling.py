@@ -135,7 +135,14 @@ def test_processed_probabilities_match_transformers_warpers():
 
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(5, 50)) * 3
-    for t, k, p in [(1.0, 0, 1.0), (0.7, 10, 1.0), (1.5, 0, 0.9), (0.9, 7, 0.6)]:
-        ours = probabilities(logits, SamplingParams(t, k, p))
-        ref = _warp(torch.tensor(logits), t, k, p).numpy()
+    vocab = rng.normal(size=(5, 4096)) * 3
+    tied = np.round(rng.normal(size=(5, 4096)) * 2)  # many ties at the k-th value: all of them kept
+    cases = [(logits, t, k, p) for t, k, p in [(1.0, 0, 1.0), (0.7, 10, 1.0), (1.5, 0, 0.9), (0.9, 7, 0.6)]]
+    cases += [(vocab, 0.8, 50, 0.9), (vocab, 1.0, 1, 0.5), (vocab, 0.8, 0, 0.95)]
+    # (top-p's cut among exactly tied probabilities is an order convention: not compared)
+    cases += [(tied, 0.8, 50, 1.0), (tied, 1.0, 7, 1.0)]
+    for x, t, k, p in cases:
+        ours = probabilities(x, SamplingParams(t, k, p))
+        ref = _warp(torch.tensor(x), t, k, p).numpy()
         np.testing.assert_allclose(ours, ref, atol=1e-9)
+        assert np.array_equal(ours > 0, ref > 0)
