@@ -149,6 +149,18 @@ def learn_scale(scale: float, measured: float | None, modelled: float, high: flo
     return 0.95 * scale + 0.05 * min(max(measured / modelled, 0.5), high)
 
 
+def first_call_scale(policy) -> float:
+    """A drafting step's first call over its micro-benchmark (either policy): ``draft_scale``
+    until a drafter reported the first call's share."""
+    return policy.draft_scale if policy.first_draft_scale is None else policy.first_draft_scale
+
+
+def chain_drafting(policy, k, c: float):
+    """Drafting ``k`` tokens in a chain (an int or an array of them) at ``c`` per micro-benchmarked
+    call (either policy): the first call at :func:`first_call_scale`, the others at ``draft_scale``."""
+    return c * (k * policy.draft_scale + (first_call_scale(policy) - policy.draft_scale) * (k > 0))
+
+
 def learn_drafting(policy, draft_seconds: float | None, first_share: float | None,
                    first_modelled: float, rest_modelled: float) -> None:
     """Fold one step's drafting time into ``policy.first_draft_scale`` and ``policy.draft_scale``
@@ -160,8 +172,7 @@ def learn_drafting(policy, draft_seconds: float | None, first_share: float | Non
         policy.draft_scale = learn_scale(policy.draft_scale, draft_seconds, first_modelled + rest_modelled)
         return
     first = draft_seconds * first_share
-    start = policy.draft_scale if policy.first_draft_scale is None else policy.first_draft_scale
-    policy.first_draft_scale = learn_scale(start, first, first_modelled, high=8.0)
+    policy.first_draft_scale = learn_scale(first_call_scale(policy), first, first_modelled, high=8.0)
     if rest_modelled > 0:
         policy.draft_scale = learn_scale(policy.draft_scale, draft_seconds - first, rest_modelled)
 
@@ -217,16 +228,10 @@ class AdaptivePolicy:
 
     def model_step_time(self, k: int, width: int = 1) -> float:
         """:meth:`step_time` from the micro-benchmarked costs alone."""
-        drafting = self._drafting(k, self.cost.draft(width))
+        drafting = chain_drafting(self, k, self.cost.draft(width))
         if self.overlap:
             drafting *= 1.0 - hit_probability(self.accept, k)
         return drafting + self.cost.target(k + 1, width) * self.target_scale
-
-    def _drafting(self, k, c: float):
-        """k drafted tokens (an int or an array of them) at c per micro-benchmarked call: the
-        first call at first_draft_scale, the others at draft_scale."""
-        extra = 0.0 if self.first_draft_scale is None else self.first_draft_scale - self.draft_scale
-        return c * (k * self.draft_scale + extra * (k > 0))
 
     def best_k(self, width: int = 1) -> int:
         """The K maximising expected tokens per second for a batch of ``width`` sequences (each
@@ -238,7 +243,7 @@ class AdaptivePolicy:
             ks = self._ks = np.arange(self.k_max + 1)
         tokens = expected_chain_tokens(self.accept, self.k_max)
         c, targets = self._costs_at(width)
-        drafting = self._drafting(ks, c)
+        drafting = chain_drafting(self, ks, c)
         if self.overlap:  # drafting only when the last look-ahead missed (hit_probability)
             drafting = drafting * (1.0 - np.cumprod(self.accept)[np.minimum(ks, self.k_max - 1)])
         times = drafting + targets * self.target_scale + self.step_overhead * (ks > 0)
@@ -455,11 +460,8 @@ class TreePolicy:
         (``Template.draft_widths``), one verify call of all its nodes."""
         if tpl.size <= 1:
             return self.cost.target(1) * self.target_scale
-        return (self.draft_call(1) * self._first_scale() + self._later_calls(tpl) * self.draft_scale
+        return (self.draft_call(1) * first_call_scale(self) + self._later_calls(tpl) * self.draft_scale
                 + self.cost.target(tpl.size) * self.target_scale)
-
-    def _first_scale(self) -> float:
-        return self.draft_scale if self.first_draft_scale is None else self.first_draft_scale
 
     def _later_calls(self, tpl) -> float:
         """The micro-benchmarked cost of a template's draft calls after the first (the root's)."""
@@ -517,7 +519,7 @@ class TreePolicy:
         e, draft, best = 1.0, 0.0, None
         # a chain prefix of the growth is priced as a tree: best_chain already covers chains, this
         # search only has to find branching trees; every tree pays the first draft call's extra
-        overhead = self._branch_overhead() + self.draft_call(1) * (self._first_scale() - self.draft_scale)
+        overhead = self._branch_overhead() + self.draft_call(1) * (first_call_scale(self) - self.draft_scale)
         for n in range(1, n_max + 1):
             if not heap:
                 break
@@ -562,9 +564,8 @@ class TreePolicy:
         targets = self._targets(self.max_nodes)
         ks = np.arange(k_max + 1)
         tokens = expected_chain_tokens(self.accept, k_max)
-        c = self.draft_call(1)
-        seconds = (ks * (c * self.draft_scale) + (ks > 0) * (c * (self._first_scale() - self.draft_scale))
-                   + targets[ks] * self.target_scale + self.step_overhead * (ks > 0))
+        seconds = (chain_drafting(self, ks, self.draft_call(1)) + targets[ks] * self.target_scale
+                   + self.step_overhead * (ks > 0))
         rates = tokens / seconds
         k = int(np.argmax(rates))  # the first maximum: the shortest of equals
         return float(rates[k]), self.chain(k)
