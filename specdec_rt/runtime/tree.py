@@ -576,9 +576,9 @@ def _run_templates(target: OrtEngine, drafter: ModelDrafter, tokens: list[int], 
         new = clip_new_tokens([int(ids[i]) for i in path[1:]] + [nxt_tok], cfg.max_new_tokens - generated, eos)
         clock.commit(stats, tokens, new, drafter)
         # calibrates the shape model to this machine (not from a step that caught up a prompt)
-        if n == 1 or not dr.caught_up_prompt:
-            policy.observe_step(tpl, policy.clock() - step_t0, draft_seconds, verify_seconds,
-                                dr.first_call_share if n > 1 else None)
+        # (a root-only step drafts nothing, and observe_step learns nothing from it)
+        if not dr.caught_up_prompt:
+            policy.observe_step(tpl, policy.clock() - step_t0, draft_seconds, verify_seconds, dr.first_call_share)
         yield new
         if new[-1] in eos:
             return
