@@ -49,6 +49,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                     help="elapsed time, or this process's CPU time (needs --threads 1; other "
                          "users of a shared machine do not distort it)")
+    ap.add_argument("--suite", nargs="+", metavar=("NAME", "PATH"), default=None,
+                    help="a benchmark suite instead of --prompts: 'spec-bench [question.jsonl]' runs Spec-Bench's "
+                         "questions (first turns, chat template applied) and reports per category; writes "
+                         "spec_bench.json/.md/.png")
+    ap.add_argument("--categories", default=None, help="with --suite spec-bench: categories, comma separated (default all)")
+    ap.add_argument("--questions-per-category", type=int, default=2,
+                    help="with --suite spec-bench: the first N questions of each category (default 2)")
+    ap.add_argument("--peer-k", default="4", help="with --suite: the peers' draft lengths, comma separated")
+    ap.add_argument("--gguf-target", default=None,
+                    help="llama.cpp peer: the target's GGUF file (default: the bundle's source, if it was a GGUF)")
+    ap.add_argument("--gguf-draft", default=None, help="llama.cpp peer: the draft's GGUF file (default: as --gguf-target)")
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--quiet", action="store_true")
     return ap
@@ -61,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         from specdec_rt.bench import report
         from specdec_rt.bench.runner import BenchConfig, load_prompts, run_bench
 
+        if args.suite:
+            return _suite(args, argv)
         prompts = load_prompts(args.prompts)
         if args.num_prompts:
             prompts = prompts[: args.num_prompts]
@@ -82,6 +95,29 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     return fail(run)
+
+
+def _suite(args, argv) -> int:
+    from specdec_rt.bench import spec_bench
+    from specdec_rt.errors import GenerationInputError
+
+    name, *rest = args.suite
+    if name != "spec-bench" or len(rest) > 1:
+        raise GenerationInputError(f"--suite takes 'spec-bench [PATH]', got {' '.join(args.suite)!r}")
+    cfg = spec_bench.SpecBenchConfig(
+        bundle=args.bundle, questions=rest[0] if rest else "",
+        categories=_csv(args.categories) if args.categories else None, per_category=args.questions_per_category,
+        max_new_tokens=args.max_new_tokens, ks=[int(k) for k in _csv(args.k)], drafters=_csv(args.drafter),
+        auto=not args.no_auto, tree=not args.no_tree, peers=_csv(args.peers),
+        peer_ks=[int(k) for k in _csv(args.peer_k)], repeats=args.repeats, threads=args.threads,
+        peer_cache=args.peer_cache, gguf_target=args.gguf_target, gguf_draft=args.gguf_draft,
+        progress=not args.quiet)
+    results = spec_bench.run_spec_bench(cfg)
+    results["command"] = "specdec-bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    written = spec_bench.write(results, Path(args.out))
+    print(written["markdown"])
+    print(f"wrote {', '.join(written['files'])} to {args.out}")
+    return 0
 
 
 def _batch(args, prompts: list[str], argv) -> int:

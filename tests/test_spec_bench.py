@@ -1,0 +1,98 @@
+"""specdec-bench --suite spec-bench on a tiny chat pair: questions picked per category, the chat
+template applied, every configuration exact, per-category rows and files written; onnxruntime-genai
+as a peer in the same run."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import make_chat_checkpoint
+from specdec_rt.bench.spec_bench import load_questions
+from specdec_rt.cli.bench_cli import main
+from specdec_rt.errors import GenerationInputError
+
+QUESTIONS = [
+    {"question_id": 1, "category": "writing", "turns": ["Write a haiku about caches.", "Another."]},
+    {"question_id": 2, "category": "writing", "turns": ["Write a limerick."]},
+    {"question_id": 3, "category": "writing", "turns": ["Not picked with 2 per category."]},
+    {"question_id": 4, "category": "coding", "turns": ["def fib(n):"]},
+    {"question_id": 5, "category": "rag", "turns": ["Context: a b c a b c a b. Continue: a b"]},
+]
+
+
+@pytest.fixture(scope="module")
+def spec_bench_files(tmp_path_factory):
+    from specdec_rt.export.pipeline import ExportOptions, export_pair
+
+    base = tmp_path_factory.mktemp("spec_bench")
+    ckpt = make_chat_checkpoint(base / "ckpt", "chatml")
+    bundle = base / "bundle"
+    export_pair(ckpt, ckpt, bundle, ExportOptions(progress=False))
+    questions = base / "question.jsonl"
+    questions.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
+    return {"bundle": bundle, "questions": questions, "ckpt": ckpt}
+
+
+def test_questions_are_picked_per_category_in_file_order(spec_bench_files):
+    qs = load_questions(str(spec_bench_files["questions"]), None, 2)
+    assert [q.question_id for q in qs] == [1, 2, 4, 5]
+    assert qs[0].text == "Write a haiku about caches."  # the first turn
+    assert [q.question_id for q in load_questions(str(spec_bench_files["questions"]), ["rag", "coding"], 1)] == [5, 4]
+    with pytest.raises(GenerationInputError, match="unknown Spec-Bench categories"):
+        load_questions(str(spec_bench_files["questions"]), ["poetry"], 1)
+    with pytest.raises(GenerationInputError, match="not found"):
+        load_questions(str(spec_bench_files["questions"]) + ".missing", None, 1)
+
+
+def test_spec_bench_suite_end_to_end(spec_bench_files, tmp_path):
+    out = tmp_path / "sb"
+    rc = main(["--bundle", str(spec_bench_files["bundle"]), "--suite", "spec-bench", str(spec_bench_files["questions"]),
+               "--questions-per-category", "2", "--max-new-tokens", "10", "--k", "2", "--repeats", "1",
+               "--threads", "1", "--out", str(out), "--quiet"])
+    assert rc == 0
+    for name in ("spec_bench.json", "spec_bench.md", "spec_bench.png"):
+        assert (out / name).is_file(), name
+    res = json.loads((out / "spec_bench.json").read_text())
+    assert list(res["per_category"]) == ["writing", "coding", "rag"]
+    names = [r["system"] for r in res["overall"]]
+    assert names[0] == "target-only"
+    assert {"model K=2", "model K=auto", "prompt_lookup K=2", "prompt_lookup K=auto", "model tree auto"} <= set(names)
+    per_cat = {"writing": 2, "coding": 1, "rag": 1}
+    for cat, rows in [("overall", res["overall"]), *res["per_category"].items()]:
+        for r in rows:
+            assert r["identical_to_own_target_only"], (cat, r["system"])  # greedy: every configuration exact
+            assert r["tokens"] == 10 * (4 if cat == "overall" else per_cat[cat])  # EOS ignored
+    overall = {r["system"]: r for r in res["overall"]}
+    assert overall["model K=2"]["tokens_per_target_call"] > 1.0  # self-draft: everything accepted
+    assert overall["target-only"]["ttft_ms"] > 0
+    # the chat template was applied: prompts are longer than the raw questions' tokens
+    assert all(n > 5 for n in res["prompt_tokens"].values())
+    md = (out / "spec_bench.md").read_text()
+    assert "| coding |" in md and "## Overall" in md
+
+
+def test_spec_bench_with_onnxruntime_genai(spec_bench_files, tmp_path):
+    pytest.importorskip("onnxruntime_genai")
+    out = tmp_path / "sb"
+    rc = main(["--bundle", str(spec_bench_files["bundle"]), "--suite", "spec-bench", str(spec_bench_files["questions"]),
+               "--categories", "coding", "--questions-per-category", "1", "--max-new-tokens", "8", "--k", "2",
+               "--drafter", "model", "--no-auto", "--no-tree", "--peers", "onnxruntime-genai", "--peer-k", "2",
+               "--repeats", "1", "--threads", "1", "--peer-cache", str(tmp_path / "peers"), "--out", str(out),
+               "--quiet"])
+    assert rc == 0
+    res = json.loads((out / "spec_bench.json").read_text())
+    rows = {r["system"]: r for r in res["overall"]}
+    assert not res["skipped"], res["skipped"]
+    assert rows["onnxruntime-genai target-only"]["tokens"] == 8
+    # genai's greedy output is the same model's: equal to ours token for token on this tiny pair
+    assert rows["onnxruntime-genai spec K=2"]["identical_to_own_target_only"]
+
+
+def test_bad_suite_arguments(spec_bench_files, tmp_path, capsys):
+    rc = main(["--bundle", str(spec_bench_files["bundle"]), "--suite", "mt-bench", "--out", str(tmp_path)])
+    assert rc == 1
+    assert "--suite takes 'spec-bench [PATH]'" in capsys.readouterr().err
+    rc = main(["--bundle", str(spec_bench_files["bundle"]), "--suite", "spec-bench", "--out", str(tmp_path)])
+    assert rc == 1
+    assert "question.jsonl" in capsys.readouterr().err
