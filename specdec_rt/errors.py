@@ -41,6 +41,15 @@ class UnsupportedArchitectureError(ValueError):
     """The checkpoint's ``model_type`` has no extractor, or it uses a switch the exporter lacks."""
 
 
+class GGUFError(ExportError):
+    """A GGUF input cannot be read or converted: truncated, corrupt, split, or a package is missing."""
+
+
+class UnsupportedGGUFError(GGUFError, UnsupportedArchitectureError):
+    """The GGUF's ``general.architecture`` is one transformers cannot load or the exporter cannot
+    export: both an export error and an unsupported architecture, so either ``except`` catches it."""
+
+
 class ValidationError(RuntimeError):
     """The exported graph disagrees with PyTorch beyond tolerance."""
 
@@ -55,4 +64,5 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
 
 __all__ = ["BundleError", "ContextOverflowError", "GenerationInputError", "ChatTemplateError",
            "SamplingParamsError", "BackendUnavailableError", "ExportError",
-           "UnsupportedArchitectureError", "ValidationError", "USER_ERRORS"]
+           "UnsupportedArchitectureError", "GGUFError", "UnsupportedGGUFError", "ValidationError",
+           "USER_ERRORS"]
