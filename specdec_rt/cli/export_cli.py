@@ -11,11 +11,15 @@ from specdec_rt.cli.common import fail
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="specdec-export",
-        description="Export a target (and draft) Hugging Face checkpoint folder into a specdec-rt bundle.",
+        description="Export a target (and draft) Hugging Face checkpoint folder or GGUF file into a specdec-rt bundle.",
     )
-    ap.add_argument("--target", required=True, help="target checkpoint folder (config.json + weights)")
-    ap.add_argument("--draft", default=None, help="draft checkpoint folder (optional)")
+    ap.add_argument("--target", required=True,
+                    help="target checkpoint folder (config.json + weights) or GGUF file (dequantised once into --gguf-cache)")
+    ap.add_argument("--draft", default=None, help="draft checkpoint folder or GGUF file (optional)")
     ap.add_argument("--out", required=True, help="bundle directory to write")
+    ap.add_argument("--gguf-cache", default=None, metavar="DIR",
+                    help="where GGUF inputs are dequantised into checkpoint folders, once per file "
+                         "(default: ~/.cache/specdec-rt/gguf)")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"],
                     help="graph dtype: fp32 (default; exact for bf16/fp16/fp32 checkpoints) or fp16 (half the "
                          "size); bf16 is refused: ONNX Runtime's CPU EP has no bfloat16 MatMul/Add kernels")
@@ -71,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             opset=args.opset, max_context=args.max_context, portable=args.portable or args.trt,
             draft_fused_attention=not args.draft_plain_attention, target_attention=args.target_attention,
             validate=not args.no_validate, progress=not args.quiet, quantize_embedding=not args.float_embedding,
+            gguf_cache=args.gguf_cache,
         )
         manifest = export_pair(args.target, args.draft, args.out, opts)
         if args.trt:

@@ -25,6 +25,7 @@ from pathlib import Path
 from specdec_rt.errors import ExportError  # noqa: F401 - defined there, re-exported here
 from specdec_rt.export.arch import (SUPPORTED_ROPE_TYPES, ArchSpec, UnsupportedArchitectureError,
                                     extract)
+from specdec_rt.export.gguf_source import resolve_checkpoint, source_record
 from specdec_rt.export.graph import GraphOptions, write_model
 from specdec_rt.runtime.bundle import (CONTRACT_VERSION, FORMAT_NAME, FORMAT_VERSION, MANIFEST,
                                        sha256_file)
@@ -60,6 +61,9 @@ class ExportOptions:
     # with ``quantize``: store the embedding table quantized too (False: in the graph dtype, as
     # before; for measuring what the embedding's quantization costs in accuracy)
     quantize_embedding: bool = True
+    # where GGUF inputs are dequantised into checkpoint folders, once per file (None: the default,
+    # ~/.cache/specdec-rt/gguf; see gguf_source)
+    gguf_cache: str | os.PathLike | None = None
 
     def check(self) -> None:
         if self.dtype == "bf16":
@@ -171,7 +175,7 @@ def check_checkpoint(path: str | os.PathLike) -> Path:
     if not p.exists():
         raise ExportError(f"checkpoint folder '{p}' does not exist")
     if not p.is_dir():
-        raise ExportError(f"'{p}' is not a folder; pass a Hugging Face checkpoint directory")
+        raise ExportError(f"'{p}' is not a folder; pass a Hugging Face checkpoint directory or a .gguf file")
     cfg = p / "config.json"
     if not cfg.is_file():
         raise ExportError(f"'{p}' has no config.json; is it a Hugging Face checkpoint?")
@@ -510,7 +514,7 @@ def export_model(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, role
                  max_context: int | None = None) -> ExportedModel:
     """Export one checkpoint into ``out_dir/<role>/model.onnx`` + ``model.onnx.data``."""
     options.check()
-    ckpt = check_checkpoint(checkpoint)
+    ckpt = check_checkpoint(resolve_checkpoint(checkpoint, options.gguf_cache, options.progress))
     own_stages = stages is None
     stages = stages or _Stages(4, False)
     out = Path(out_dir) / role
@@ -586,7 +590,9 @@ def export_model(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, role
         "size_bytes_unquantized": written.unquantized_bytes if quant else written.size_bytes,
         "validation": validation,
         "export_peak_rss_bytes": peak,  # sampled: the highest of this model's stages
-        "source": {"checkpoint": str(ckpt.resolve()), "architectures": architectures, "dtype": torch_dtype},
+        # format "gguf": the file it was converted from (path, bytes, file_type, architecture); "hf": the folder
+        "source": {**source_record(ckpt), "checkpoint": str(ckpt.resolve()), "architectures": architectures,
+                   "dtype": torch_dtype},
     }
     if own_stages:
         stages.close()
@@ -605,6 +611,9 @@ def export_pair(target: str | os.PathLike, draft: str | os.PathLike | None, out:
     """
     options = options or ExportOptions()
     options.check()
+    # a GGUF file becomes its cached checkpoint folder here (converted on its first export)
+    target, draft = (None if p is None else resolve_checkpoint(p, options.gguf_cache, options.progress)
+                     for p in (target, draft))
     t_ckpt = check_checkpoint(target)
     d_ckpt = check_checkpoint(draft) if draft is not None else None
     t_tok = load_tokenizer_json(t_ckpt)
