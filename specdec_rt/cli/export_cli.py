@@ -6,6 +6,7 @@ import json
 import sys
 
 from specdec_rt.cli.common import fail
+from specdec_rt.export.quantize import BLOCK_SIZES, DEFAULT_BLOCK_SIZE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,6 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "size); bf16 is refused: ONNX Runtime's CPU EP has no bfloat16 MatMul/Add kernels")
     ap.add_argument("--quantize", default=None, choices=["int8", "int4"],
                     help="weight-only MatMulNBits quantization")
+    ap.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, choices=list(BLOCK_SIZES),
+                    help="with --quantize: weights per scale along K (default 32). 16: ONNX Runtime's one-row and "
+                         "multi-row int4 kernels give the same bits on AVX2-only CPUs too (no padded one-row "
+                         "calls there), at ~1.2x the bytes per weight (docs/design.md, 'Exactness')")
     ap.add_argument("--float-embedding", action="store_true",
                     help="with --quantize: keep the embedding table in the graph dtype (larger, no "
                          "quantization error on the lookup)")
@@ -76,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             draft_fused_attention=not args.draft_plain_attention, target_attention=args.target_attention,
             validate=not args.no_validate, progress=not args.quiet, quantize_embedding=not args.float_embedding,
             gguf_cache=args.gguf_cache,
+            block_size=args.block_size,
         )
         manifest = export_pair(args.target, args.draft, args.out, opts)
         if args.trt:

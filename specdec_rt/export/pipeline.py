@@ -27,6 +27,7 @@ from specdec_rt.export.arch import (SUPPORTED_ROPE_TYPES, ArchSpec, UnsupportedA
                                     extract)
 from specdec_rt.export.gguf_source import resolve_checkpoint, source_record
 from specdec_rt.export.graph import GraphOptions, write_model
+from specdec_rt.export.quantize import BLOCK_SIZES, DEFAULT_BLOCK_SIZE
 from specdec_rt.runtime.bundle import (CONTRACT_VERSION, FORMAT_NAME, FORMAT_VERSION, MANIFEST,
                                        sha256_file)
 
@@ -64,6 +65,11 @@ class ExportOptions:
     # where GGUF inputs are dequantised into checkpoint folders, once per file (None: the default,
     # ~/.cache/specdec-rt/gguf; see gguf_source)
     gguf_cache: str | os.PathLike | None = None
+    # with ``quantize``: weights per scale along K. On AVX-512 VNNI CPUs ONNX Runtime's one-row
+    # int4 kernel gives the multi-row kernel's bits at 32 (the default); on AVX2-only CPUs only at
+    # 16 (there 32 needs one-row calls padded to two rows). 64 / 128 are not even row-position
+    # invariant at accuracy level 4 (docs/design.md, "Exactness")
+    block_size: int = DEFAULT_BLOCK_SIZE
 
     def check(self) -> None:
         if self.dtype == "bf16":
@@ -77,6 +83,8 @@ class ExportOptions:
         if self.target_attention not in TARGET_ATTENTION:
             raise ExportError(f"--target-attention must be one of {', '.join(TARGET_ATTENTION)}, "
                               f"not '{self.target_attention}'")
+        if self.block_size not in BLOCK_SIZES:
+            raise ExportError(f"--block-size must be one of {', '.join(map(str, BLOCK_SIZES))}, not {self.block_size}")
         if self.max_context is not None and self.max_context < 16:
             raise ExportError("--max-context must be at least 16")
 
@@ -543,7 +551,8 @@ def export_model(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, role
                               attention_accumulation=attention_accumulation(role, options.portable, options.target_attention),
                               fused_attention=fused_attention(role, options.portable, options.draft_fused_attention,
                                                               options.target_attention),
-                              quantize=quant, quantize_embedding=options.quantize_embedding)
+                              quantize=quant, quantize_embedding=options.quantize_embedding,
+                              block_size=options.block_size)
     path = out / "model.onnx"
     written = write_model(spec, weights, graph_opts, str(path))
     del weights, model
@@ -579,6 +588,7 @@ def export_model(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, role
         "sliding_window": spec.sliding_window,  # the runtime's masks apply it (every layer)
         "graph_windows": spec.layer_windows,  # per-layer windows the graph applies itself; informational
         "quantization": quant,
+        "quant_block_size": graph_opts.block_size if quant else None,
         "opset": written.opset,
         "fused_ops": not options.portable,
         "attention_accumulation": graph_opts.attention_accumulation,

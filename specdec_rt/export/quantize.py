@@ -16,7 +16,10 @@ from __future__ import annotations
 import numpy as np
 
 QUANT_BITS = {"int4": 4, "int8": 8}
-BLOCK_SIZE = 32
+BLOCK_SIZE = 32  # ONNX Runtime's quantizer default, kept for quantize_weights (the reference)
+BLOCK_SIZES = (16, 32, 64, 128)
+# the exporter's default: see ExportOptions.block_size and docs/design.md ("Exactness")
+DEFAULT_BLOCK_SIZE = 32
 ACCURACY_LEVEL = 4  # MatMulNBits: activations quantized to int8 per block (fastest CPU kernels)
 
 
