@@ -5,6 +5,7 @@ import time
 
 from pathlib import Path
 
+from specdec_rt.bench import llama_cpp_peer
 from specdec_rt.bench import peers as P
 
 
@@ -61,8 +62,9 @@ def _summarize(runs: list, system: str, k, base_outputs: dict, our_tps: float, o
     return row
 
 
-def run_peers(cfg, gen, prompts: list[list[int]], base: dict, acc: dict) -> list[dict]:
-    """Peers on the same checkpoints, prompts and thread count; each row says what ran."""
+def run_peers(cfg, gen, prompts: list[list[int]], base: dict, acc: dict, extras: dict | None = None) -> list[dict]:
+    """Peers on the same checkpoints, prompts and thread count; each row says what ran. A peer's
+    details beyond its rows (llama.cpp's texts and T(S) curve) go into ``extras``."""
     from tqdm import tqdm
 
     target_dir, draft_dir = _source_dirs(gen)
@@ -112,6 +114,8 @@ def run_peers(cfg, gen, prompts: list[list[int]], base: dict, acc: dict) -> list
                     row = _summarize(runs, "onnxruntime-genai spec adaptive", "auto", base_outputs, best, our_k_tps)
                     row["max_k"] = kmax
                     out.append(row)
+            elif llama_cpp_peer.is_llama_cpp(peer):
+                out += _llama_cpp(cfg, gen, acc, extras)
             else:
                 out.append({"system": peer, "ran": False, "reason": "unknown peer"})
         except P.PeerUnavailable as exc:
@@ -123,3 +127,18 @@ def run_peers(cfg, gen, prompts: list[list[int]], base: dict, acc: dict) -> list
     for row in out:
         row.setdefault("ran", True)
     return out
+
+
+def _llama_cpp(cfg, gen, acc: dict, extras: dict | None) -> list[dict]:
+    """llama.cpp on the same prompt texts (its own tokenizer), max_new_tokens and threads."""
+    from specdec_rt.bench.runner import NO_SPIN, UNPADDED
+
+    plan = llama_cpp_peer.plan(cfg, gen.bundle.manifest, gen.max_length)
+    rows, details = llama_cpp_peer.run(plan, list(cfg.prompts), cfg.max_new_tokens, repeats=cfg.repeats,
+                                       seed=cfg.seed, progress=cfg.progress)
+    bases = [acc[n] for n in ("target-only", UNPADDED, NO_SPIN) if n in acc and acc[n]["seconds"]]
+    fastest = min(bases, key=lambda a: a["seconds"], default=None)
+    llama_cpp_peer.compare_with_ours(rows, acc, fastest["tokens"] / fastest["seconds"] if fastest else None)
+    if extras is not None:
+        extras["llama_cpp"] = details
+    return rows

@@ -33,10 +33,11 @@ def markdown(results: dict) -> str:
             f"{_f(r['efficiency'])} | {r['loop_overhead_share']:.1%} | {_f(r['identical_to_target_only'])} | "
             f"{_f(r.get('lookahead_hit_rate'))} |"
         )
-    if results.get("peers"):
+    others = [p for p in results.get("peers", []) if not str(p.get("system", "")).startswith("llama.cpp")]
+    if others:
         lines += ["", "| peer | K | tok/s | alpha | our best / peer | ours at same K / peer | identical |",
                   "|---|---|---|---|---|---|---|"]
-        for p in results["peers"]:
+        for p in others:
             if not p.get("ran", True):
                 lines.append(f"| {p['system']} | - | not run: {p.get('reason')} | | | | |")
                 continue
@@ -45,6 +46,7 @@ def markdown(results: dict) -> str:
                 f"{_f(p.get('ours_best_over_peer'))}x | {_f(p.get('ours_same_k_over_peer'))} | "
                 f"{_f(p['identical_to_target_only'])} |"
             )
+    lines += _llama_cpp_lines(results)
     if results.get("graphs"):
         sizes = sorted(int(k[len("ratio_S"):]) for k in results["graphs"][0] if k.startswith("ratio_S"))
         lines += ["", "| graph | nodes ours / genai | " + " | ".join(f"S={s} ms ours / genai" for s in sizes)
@@ -66,6 +68,36 @@ def markdown(results: dict) -> str:
         lines += ["", "Predicted chain speedup from this cost model: " + "; ".join(
             f"alpha {p['alpha']}: {p['speedup']:.2f}x at K={p['best_k']}" for p in results["predicted_speedup"])]
     return "\n".join(lines) + "\n"
+
+
+def _llama_cpp_lines(results: dict) -> list[str]:
+    """llama.cpp's rows (its own speeds and identity) and its T(S) curve beside ours."""
+    rows = [p for p in results.get("peers", []) if str(p.get("system", "")).startswith("llama.cpp")]
+    if not rows:
+        return []
+    lines = ["", "| llama.cpp | K | tok/s | decode tok/s | prompt tok/s | alpha | speedup over its target-only | "
+             "our best / it | ours at same K / it | output == its own plain decode |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for p in rows:
+        if not p.get("ran", True):
+            lines.append(f"| {p['system']} | - | not run: {p.get('reason')} | | | | | | | |")
+            continue
+        lines.append(
+            f"| {p['system']} | {p['k'] or '-'} | {_f(p['tokens_per_second'], '{:.1f}')} | "
+            f"{_f(p.get('decode_tokens_per_second'), '{:.1f}')} | {_f(p.get('prompt_tokens_per_second'), '{:.1f}')} | "
+            f"{_f(p.get('alpha'))} | {_f(p.get('speedup_over_own_target_only'))}x | "
+            f"{_f(p.get('ours_best_over_peer'))}x | {_f(p.get('ours_same_k_over_peer'))} | "
+            f"{_f(p.get('identical_to_own_target_only'))} |")
+    curve = (results.get("llama_cpp") or {}).get("time_curve")
+    if curve:
+        ours = dict(zip(results["target_time_curve"]["S"], results["target_time_curve"]["ratio"]))
+        sizes = curve["S"]
+        lines += ["", f"T(S)/T(1), S tokens per call after {curve.get('depth', 0)} past tokens "
+                  f"(llama.cpp: llama-bench, {curve.get('repeats')} repeats):", "",
+                  "| | " + " | ".join(f"S={s}" for s in sizes) + " |", "|---|" + "---|" * len(sizes),
+                  "| ours | " + " | ".join(_f(ours.get(s)) for s in sizes) + " |",
+                  "| llama.cpp | " + " | ".join(_f(r) for r in curve["ratio"]) + " |"]
+    return lines
 
 
 def plots(results: dict, out: Path) -> list[str]:
@@ -118,7 +150,11 @@ def plots(results: dict, out: Path) -> list[str]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(curve["S"], ratio, "o-")
+    ax.plot(curve["S"], ratio, "o-", label="ours")
+    llama_curve = (results.get("llama_cpp") or {}).get("time_curve")
+    if llama_curve:
+        ax.plot(llama_curve["S"], llama_curve["ratio"], "s--", label="llama.cpp (llama-bench)")
+        ax.legend(fontsize=8)
     ax.set_xlabel("S (tokens per target call)")
     ax.set_ylabel("T(S) / T(1)")
     ax.set_title("Target cost of verifying S tokens")
@@ -126,6 +162,9 @@ def plots(results: dict, out: Path) -> list[str]:
     fig.savefig(out / "target_time.png", dpi=110)
     files.append("target_time.png")
     plt.close(fig)
+
+    if any(p.get("ran", True) and p.get("tokens_per_second") for p in results.get("peers", [])):
+        files.append(_peers_plot(results, out, plt))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in rows:
@@ -142,6 +181,28 @@ def plots(results: dict, out: Path) -> list[str]:
     files.append("acceptance.png")
     plt.close(fig)
     return files
+
+
+def _peers_plot(results: dict, out: Path, plt) -> str:
+    """tok/s of our target-only and best configuration beside every peer row that ran."""
+    rows = results["rows"]
+    best = max(rows, key=lambda r: r["tokens_per_second"])
+    bars = [("ours: target-only", results["target_only_tokens_per_second"], "C0"),
+            (f"ours: {best['name']}", best["tokens_per_second"], "C0")]
+    for p in results["peers"]:
+        if p.get("ran", True) and p.get("tokens_per_second"):
+            label = p["system"] + (f" K={p['k']}" if p.get("k") else "")
+            bars.append((label, p["tokens_per_second"], "C2" if label.startswith("llama.cpp") else "C1"))
+    fig, ax = plt.subplots(figsize=(7, 0.35 * len(bars) + 1.2))
+    ax.barh(range(len(bars)), [b[1] or 0 for b in bars], color=[b[2] for b in bars])
+    ax.set_yticks(range(len(bars)), [b[0] for b in bars], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("tokens per second (prompt evaluation included)")
+    ax.set_title("Ours beside the peers")
+    fig.tight_layout()
+    fig.savefig(out / "peers.png", dpi=110)
+    plt.close(fig)
+    return "peers.png"
 
 
 def write(results: dict, out: Path) -> dict:

@@ -38,6 +38,8 @@ class BenchConfig:
     graphs_only: bool = False  # cost model and graph comparison, no generation runs (scale checks)
     overlap: bool = False  # also run the model drafter's chains overlapped (drafting hidden behind verify)
     clock: str = "wall"  # "cpu": this process's CPU time (single-threaded runs on a shared machine)
+    gguf_target: str | None = None  # llama.cpp peer: GGUF files (default: the bundle's GGUF sources)
+    gguf_draft: str | None = None
 
 
 @dataclass
@@ -138,6 +140,7 @@ def _rss_mb() -> float:
 
 def run_bench(cfg: BenchConfig) -> dict:
     import specdec_rt
+    from specdec_rt.bench import llama_cpp_peer
     from specdec_rt.runtime.policy import measure_engine
 
     from specdec_rt.errors import GenerationInputError
@@ -158,6 +161,9 @@ def run_bench(cfg: BenchConfig) -> dict:
     prompts = [gen.tokenizer.encode(p) for p in cfg.prompts]
     limit = gen.max_length - cfg.max_new_tokens - 1
     prompts = [p[-limit:] for p in prompts]
+    if any(llama_cpp_peer.is_llama_cpp(p) for p in cfg.peers):
+        # binaries and GGUF files checked now, not after our runs: a missing one is a one-line error
+        llama_cpp_peer.plan(cfg, gen.bundle.manifest, gen.max_length)
     probed_rows = getattr(gen.target, "min_rows", 1)
     if not gen.exact_trees:  # float32 target attention: trees are refused (not token-identical)
         cfg.tree = False
@@ -303,5 +309,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     if cfg.peers:
         from specdec_rt.bench.peer_runs import run_peers
 
-        results["peers"] = run_peers(cfg, gen, prompts, base, acc)
+        extras: dict = {}
+        results["peers"] = run_peers(cfg, gen, prompts, base, acc, extras)
+        results.update(extras)  # "llama_cpp": its runs, texts and T(S) curve
     return results

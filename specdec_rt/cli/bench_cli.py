@@ -23,7 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--k", default="1,2,4,8", help="draft lengths to run, comma separated")
     ap.add_argument("--drafter", default="model,prompt_lookup", help="drafters, comma separated")
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--peers", default="", help="transformers,onnxruntime-genai (optional extras)")
+    ap.add_argument("--peers", default="",
+                    help="transformers,onnxruntime-genai,llama.cpp (optional extras; llama.cpp needs its tools: "
+                         "scripts/build_llama_cpp.sh, and GGUF files: --gguf-target/--gguf-draft)")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved repeats per prompt")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-tree", action="store_true", help="skip tree speculation")
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             peers=_csv(args.peers), repeats=args.repeats, threads=args.threads, tree=not args.no_tree,
             auto=not args.no_auto, peer_cache=args.peer_cache, progress=not args.quiet,
             compare_graphs=args.compare_graphs, graphs_only=args.graphs_only, tree_budgets=[int(b) for b in _csv(args.tree_budgets)],
-            overlap=args.overlap, clock=args.clock,
+            overlap=args.overlap, clock=args.clock, gguf_target=args.gguf_target, gguf_draft=args.gguf_draft,
         )
         results = run_bench(cfg)
         results["command"] = "specdec-bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
