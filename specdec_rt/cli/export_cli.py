@@ -30,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --quantize: weights per scale along K (default 32). 16: ONNX Runtime's one-row and "
                          "multi-row int4 kernels give the same bits on AVX2-only CPUs too (no padded one-row "
                          "calls there), at ~1.2x the bytes per weight (docs/design.md, 'Exactness')")
+    ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                    help="cut the draft's LM head to N tokens (the N most frequent by BPE merge order, plus every "
+                         "special token): cheaper draft calls, proposals only among those tokens; verification "
+                         "and output are unchanged (e.g. 32768 for 152k-token vocabularies)")
     ap.add_argument("--float-embedding", action="store_true",
                     help="with --quantize: keep the embedding table in the graph dtype (larger, no "
                          "quantization error on the lookup)")
@@ -81,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             draft_fused_attention=not args.draft_plain_attention, target_attention=args.target_attention,
             validate=not args.no_validate, progress=not args.quiet, quantize_embedding=not args.float_embedding,
             gguf_cache=args.gguf_cache,
-            block_size=args.block_size,
+            block_size=args.block_size, draft_vocab=args.draft_vocab,
         )
         manifest = export_pair(args.target, args.draft, args.out, opts)
         if args.trt:

@@ -67,6 +67,10 @@ class GraphOptions:
     # one ONNX ``Attention`` node per layer instead of ~18 decomposed ops (drafts, and targets
     # exported with --target-attention fused: float32 sums, opset 23); see GraphBuilder._fused_attention
     fused_attention: bool = False
+    # a draft whose LM head was cut to the tokens it may propose (specdec_rt.export.draft_vocab):
+    # the kept token ids, sorted; the graph scatters their logits into a -inf row of the whole
+    # vocabulary, so the contract (logits [B, S, V]) and every consumer stay as they are
+    output_ids: np.ndarray | None = None
 
 
 class TensorWriter:
@@ -247,6 +251,9 @@ class GraphBuilder:
         self.w = weights
         self.opt = options
         self.bits = QUANT_BITS[options.quantize] if options.quantize else None
+        self.out_vocab = spec.vocab_size if options.output_ids is None else len(options.output_ids)
+        if self.out_vocab != spec.vocab_size and weights.tied:
+            raise ValueError("a cut LM head cannot share the embedding table (prune_lm_head unties them)")
         # one ONNX Attention node per layer (draft graphs): needs the contrib op set's company
         # (not portable) and float32 sums (the target's float64 ones are what makes it exact)
         self._fused_attn = options.fused_attention
@@ -613,6 +620,8 @@ class GraphBuilder:
         if s.final_softcap:  # tanh(logits / c) * c, the 1/c folded into lm_head
             logits = g.op("Mul", [g.op("Tanh", [logits], "logits_tanh"),
                                   g.const(np.array(s.final_softcap), "final_softcap")], "logits_capped")
+        if self.opt.output_ids is not None:
+            logits = self._widen_logits(logits)
         if g.np_dtype != np.float32:
             logits = g.op("Cast", [logits], "logits_cast", to=TensorProto.FLOAT)
         if self._fused_attn and g.nodes[-1].output[0] == logits:
@@ -718,18 +727,31 @@ class GraphBuilder:
     def _lm_head(self, final: str) -> str:
         g, s, w = self.g, self.spec, self.w
         if self._lm is not None and self._lm[0] == "nbits":
-            return self._matmul_nbits(final, self._lm[1], self._lm[2], s.hidden_size, s.vocab_size, "lm_head")
+            return self._matmul_nbits(final, self._lm[1], self._lm[2], s.hidden_size, self.out_vocab, "lm_head")
         if self._lm is not None:
             return g.op("MatMul", [final, self._lm[1]], "lm_head")
         fold = self._logit_fold()
         if self.bits:
             packed, scales = self._vocab_quantized(w.lm_head, "lm_head", fold)
-            y = self._matmul_nbits(final, packed, scales, s.hidden_size, s.vocab_size, "lm_head")
+            y = self._matmul_nbits(final, packed, scales, s.hidden_size, self.out_vocab, "lm_head")
         else:
             y = g.op("MatMul", [final, self._vocab_matmul(w.lm_head, "lm_head_w", fold)], "lm_head")
         if w.lm_head_b is not None:
             y = g.op("Add", [y, g.const(w.lm_head_b * fold, "lm_head_b")], "lm_head_bias")
         return y
+
+    def _widen_logits(self, logits: str) -> str:
+        """[B, S, N] logits of the kept tokens -> [B, S, V], -inf elsewhere (probability exactly
+        0 under any softmax, never an argmax): one Expand of -inf and one ScatterElements, a
+        write of V floats per row against the N x hidden GEMM it replaces V x hidden of."""
+        g, v = self.g, self.spec.vocab_size
+        ids = self.opt.output_ids
+        shape = g.op("Shape", [logits], "logits_cut_shape")
+        lead = g.op("Slice", [shape, g.shape([0]), g.shape([2]), g.shape([0])], "logits_lead")
+        full = g.op("Concat", [lead, g.shape([v])], "logits_full_shape", axis=0)
+        floor = g.op("Expand", [g.const(np.array(-np.inf), "logits_floor", dtype=g.np_dtype), full], "logits_floor_full")
+        where = g.op("Expand", [g.packed(np.asarray(ids, dtype=np.int64), "output_ids"), shape], "logits_cut_ids")
+        return g.op("ScatterElements", [floor, where, logits], "logits_widened", axis=2)
 
     def _fold_residual_multiplier(self, lw):
         """Granite's ``residual + branch * m``: m folded into the o and down projections."""

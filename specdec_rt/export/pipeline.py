@@ -22,10 +22,13 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from specdec_rt.errors import ExportError  # noqa: F401 - defined there, re-exported here
 from specdec_rt.export.arch import (SUPPORTED_ROPE_TYPES, ArchSpec, UnsupportedArchitectureError,
                                     extract)
 from specdec_rt.export.gguf_source import resolve_checkpoint, source_record
+from specdec_rt.export.draft_vocab import MIN_DRAFT_VOCAB, OUTPUT_IDS_FILE, draft_vocab_ids, prune_lm_head
 from specdec_rt.export.graph import GraphOptions, write_model
 from specdec_rt.export.quantize import BLOCK_SIZES, DEFAULT_BLOCK_SIZE
 from specdec_rt.runtime.bundle import (CONTRACT_VERSION, FORMAT_NAME, FORMAT_VERSION, MANIFEST,
@@ -65,6 +68,8 @@ class ExportOptions:
     # where GGUF inputs are dequantised into checkpoint folders, once per file (None: the default,
     # ~/.cache/specdec-rt/gguf; see gguf_source)
     gguf_cache: str | os.PathLike | None = None
+    # the draft's LM head cut to this many tokens (None: the whole vocabulary); see draft_vocab
+    draft_vocab: int | None = None
     # with ``quantize``: weights per scale along K. On AVX-512 VNNI CPUs ONNX Runtime's one-row
     # int4 kernel gives the multi-row kernel's bits at 32 (the default); on AVX2-only CPUs only at
     # 16 (there 32 needs one-row calls padded to two rows). 64 / 128 are not even row-position
@@ -85,6 +90,8 @@ class ExportOptions:
                               f"not '{self.target_attention}'")
         if self.block_size not in BLOCK_SIZES:
             raise ExportError(f"--block-size must be one of {', '.join(map(str, BLOCK_SIZES))}, not {self.block_size}")
+        if self.draft_vocab is not None and self.draft_vocab < MIN_DRAFT_VOCAB:
+            raise ExportError(f"--draft-vocab must be at least {MIN_DRAFT_VOCAB}, not {self.draft_vocab}")
         if self.max_context is not None and self.max_context < 16:
             raise ExportError("--max-context must be at least 16")
 
@@ -519,8 +526,11 @@ def process_peak_rss() -> int:
 
 def export_model(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, role: str,
                  options: ExportOptions, stages: _Stages | None = None,
-                 max_context: int | None = None) -> ExportedModel:
-    """Export one checkpoint into ``out_dir/<role>/model.onnx`` + ``model.onnx.data``."""
+                 max_context: int | None = None, tokenizer=None) -> ExportedModel:
+    """Export one checkpoint into ``out_dir/<role>/model.onnx`` + ``model.onnx.data``.
+
+    ``tokenizer`` (the pair's, a ``tokenizers.Tokenizer``) picks the tokens a draft exported with
+    ``options.draft_vocab`` keeps (default: the checkpoint's own tokenizer.json)."""
     options.check()
     ckpt = check_checkpoint(resolve_checkpoint(checkpoint, options.gguf_cache, options.progress))
     own_stages = stages is None
@@ -538,13 +548,21 @@ def export_model(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, role
     architectures = getattr(model.config, "architectures", None)
     stages.done()
 
+    output_ids = None
+    if role == "draft" and options.draft_vocab:
+        output_ids = draft_vocab_ids(tokenizer or load_tokenizer_json(ckpt), spec.vocab_size, options.draft_vocab,
+                                     spec.eos_token_ids)
     refs = None
     if options.validate:
-        from specdec_rt.export.validate import reference_outputs
+        from specdec_rt.export.validate import reference_outputs, restrict_vocab
 
         stages.start(f"reference {role}")
         refs = reference_outputs(model, spec)
+        if output_ids is not None:
+            refs = restrict_vocab(refs, output_ids)
         stages.done()
+    if output_ids is not None:
+        prune_lm_head(weights, output_ids)
 
     stages.start(f"build {role}")
     graph_opts = GraphOptions(dtype=options.dtype, opset=options.opset, fused=not options.portable,
@@ -552,9 +570,15 @@ def export_model(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, role
                               fused_attention=fused_attention(role, options.portable, options.draft_fused_attention,
                                                               options.target_attention),
                               quantize=quant, quantize_embedding=options.quantize_embedding,
-                              block_size=options.block_size)
+                              block_size=options.block_size,
+                              output_ids=output_ids)
     path = out / "model.onnx"
     written = write_model(spec, weights, graph_opts, str(path))
+    if output_ids is not None:  # the record of what the draft may propose (the graph holds them too)
+        ids_path = out / OUTPUT_IDS_FILE
+        np.save(ids_path, output_ids)
+        written.files.append(str(ids_path))
+        written.sha256[str(ids_path)] = sha256_file(ids_path)
     del weights, model
     gc.collect()
     stages.done()
@@ -566,10 +590,12 @@ def export_model(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, role
         from specdec_rt.export.validate import compare
 
         if quant:  # the float graph is never built: the quantized one is compared, not enforced
-            validation = {"quantized": compare(str(path), spec, refs, kv_dtype=kv_dtype, enforce=False).to_dict()}
+            validation = {"quantized": compare(str(path), spec, refs, kv_dtype=kv_dtype, enforce=False,
+                                               columns=output_ids).to_dict()}
         else:
             tol = None if options.dtype == "fp32" else 5e-2 * 30
-            validation = compare(str(path), spec, refs, kv_dtype=kv_dtype, tolerance=tol, prepack=False).to_dict()
+            validation = compare(str(path), spec, refs, kv_dtype=kv_dtype, tolerance=tol, prepack=False,
+                                 columns=output_ids).to_dict()
     stages.done()
     peak = max((v for k, v in stages.peak_rss.items() if k.endswith(f" {role}")), default=None)
 
@@ -589,6 +615,10 @@ def export_model(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, role
         "graph_windows": spec.layer_windows,  # per-layer windows the graph applies itself; informational
         "quantization": quant,
         "quant_block_size": graph_opts.block_size if quant else None,
+        # a draft whose LM head was cut: the tokens it may propose (int64 .npy beside the graph;
+        # the graph's logits stay [B, S, V], -inf outside them)
+        "output_ids": None if output_ids is None else f"{role}/{OUTPUT_IDS_FILE}",
+        "output_vocab": spec.vocab_size if output_ids is None else len(output_ids),
         "opset": written.opset,
         "fused_ops": not options.portable,
         "attention_accumulation": graph_opts.attention_accumulation,
@@ -687,7 +717,7 @@ def _export_roles(out: Path, roles: list, t_tok, hashes: dict, options: ExportOp
     exported = {}
     max_ctx = None
     for role, ckpt in roles:
-        em = export_model(ckpt, out, role, options, stages, max_context=max_ctx)
+        em = export_model(ckpt, out, role, options, stages, max_context=max_ctx, tokenizer=t_tok)
         if role == "target":
             max_ctx = em.spec.max_positions
         exported[role] = em

@@ -82,6 +82,7 @@ class _OrtRunner:
         self.sess = ort.InferenceSession(onnx_path, opts, providers=["CPUExecutionProvider"])
         self.spec = spec
         self.kv_dtype = kv_dtype
+        self.columns: np.ndarray | None = None  # compare only these logit columns (a cut LM head)
 
     def empty_past(self):
         s = self.spec
@@ -108,7 +109,9 @@ class _OrtRunner:
             feed[f"past_value.{i}"] = v
         out = self.sess.run(None, feed)
         new = [(out[1 + 2 * i], out[2 + 2 * i]) for i in range(self.spec.num_layers)]
-        return out[0][0], new
+        logits = out[0][0]
+        # a draft with a cut LM head: its kept columns (the others are -inf by construction)
+        return (logits if self.columns is None else logits[:, self.columns]), new
 
 
 def _concat(past, new):
@@ -204,6 +207,14 @@ def reference_outputs(torch_model, spec: ArchSpec, *, seed: int = 0, prefix_len:
     with float32_compute(torch_model):
         return [_reference_run(torch_model, spec, rng, p, verify_len, tag)
                 for p, tag in _validation_runs(spec, prefix_len, verify_len)]
+
+
+def restrict_vocab(refs: list[Reference], ids: np.ndarray) -> list[Reference]:
+    """The references of a draft whose LM head keeps only ``ids``: its logit columns."""
+    from dataclasses import replace
+
+    return [replace(r, logits=np.ascontiguousarray(r.logits[:, ids]),
+                    tree_rows=np.ascontiguousarray(r.tree_rows[:, ids])) for r in refs]
 
 
 LARGE_WEIGHT = 16 << 20  # elements: a float32 copy of a larger weight is not made whole (64 MiB)
@@ -310,7 +321,8 @@ class float32_compute:
 
 
 def compare(onnx_path: str, spec: ArchSpec, refs: list[Reference], *, kv_dtype=np.float32,
-            tolerance: float | None = None, enforce: bool = True, prepack: bool = True) -> "ValidationReport":
+            tolerance: float | None = None, enforce: bool = True, prepack: bool = True,
+            columns: np.ndarray | None = None) -> "ValidationReport":
     """Run the graph on the cases of ``refs`` in ONNX Runtime and compare with PyTorch's outputs.
 
     ``prepack=False``: ONNX Runtime uses the weights where they lie instead of first copying every
@@ -322,6 +334,7 @@ def compare(onnx_path: str, spec: ArchSpec, refs: list[Reference], *, kv_dtype=n
     """
     t0 = time.perf_counter()
     runner = _OrtRunner(onnx_path, spec, np.dtype(kv_dtype), prepack=prepack)
+    runner.columns = columns  # ``refs`` were cut to the same columns (restrict_vocab)
     t1 = time.perf_counter()
     results = [_compare_run(runner, spec, ref) for ref in refs]
     del runner
