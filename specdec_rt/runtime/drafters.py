@@ -16,6 +16,12 @@ if TYPE_CHECKING:
 # long one does not widen every row of the batch (the first one is the prompt: start() is lazy;
 # later ones are 1 or 2 tokens).
 BATCH_CATCH_UP = 4
+# The most tokens a draft runs to catch up before proposing: a longer gap (a long prompt at the
+# first proposal, or many steps decoded without drafting) restarts the draft's sequence on its
+# last DRAFT_CONTEXT tokens instead. The draft's context only shapes its proposals, never the
+# output, and catching up is prefill work: a 0.5B int4 draft took seconds over a 1-2k-token
+# Spec-Bench prompt, more than the 128 tokens of decoding it was meant to speed up.
+DRAFT_CONTEXT = 256
 
 
 class Drafter(Protocol):
@@ -45,11 +51,14 @@ class ModelDrafter:
 
     name = "model"
 
-    def __init__(self, engine: OrtEngine, target_vocab: int) -> None:
+    def __init__(self, engine: OrtEngine, target_vocab: int, context: int | None = DRAFT_CONTEXT) -> None:
         self.engine = engine
         self.target_vocab = target_vocab
-        # per sequence: tokens whose K/V are committed in the draft cache
+        self.context = context  # catch-ups longer than this restart on the last ``context`` tokens
+        # per sequence: tokens whose K/V are committed in the draft cache, and where in the
+        # sequence's tokens they start (0 unless a restart cut the history: see unseen())
         self._seen: list[list[int]] = [[] for _ in range(getattr(engine, "max_batch", 1))]
+        self._base: list[int] = [0] * len(self._seen)
         self.calls = 0
         self.time = 0.0
         # stop drafting once the product of the draft's top probabilities falls below this
@@ -76,6 +85,25 @@ class ModelDrafter:
         draft's prefill off the time to the first token."""
         self.engine.reset(seq)
         self._seen[seq] = []
+        self._base[seq] = 0
+
+    def unseen(self, tokens: list[int], seq: int = 0) -> list[int]:
+        """The tokens the draft must run before it can propose after ``tokens``: those past what
+        its cache holds, or, where that gap exceeds ``context``, the last ``context`` tokens on a
+        fresh draft sequence (positions from 0: the draft sees a shorter history)."""
+        base, seen = self._base[seq], self._seen[seq]
+        todo = tokens[base + len(seen):]
+        if self.context and len(todo) > self.context:
+            self.engine.reset(seq)
+            self._seen[seq] = []
+            self._base[seq] = len(tokens) - self.context
+            todo = tokens[self._base[seq]:]
+        return todo
+
+    def advance(self, pending: list[int], seq: int = 0) -> np.ndarray:
+        """Run tokens of one sequence (from :meth:`unseen`, or drafted ones) into the draft
+        cache; returns the last one's logits row."""
+        return self._step(pending, seq)
 
     def _step(self, pending: list[int], seq: int = 0) -> np.ndarray:
         """Run one sequence's unseen tokens; return the last one's logits row."""
@@ -106,7 +134,7 @@ class ModelDrafter:
         pending = []
         self.caught_up_prompt = any(not self._seen[row.seq] for row in rows)
         for row in rows:
-            todo = row.tokens[len(self._seen[row.seq]):]
+            todo = self.unseen(row.tokens, row.seq)
             if len(rows) > 1 and len(todo) > BATCH_CATCH_UP:
                 self._step(todo[:-1], row.seq)
                 todo = todo[-1:]
@@ -153,11 +181,11 @@ class ModelDrafter:
 
     def sync(self, tokens: list[int], seq: int = 0) -> None:
         """Roll the draft cache back to the longest prefix it shares with ``tokens``."""
-        seen = self._seen[seq]
-        n = min(len(seen), len(tokens))
+        seen, base = self._seen[seq], self._base[seq]
+        n = min(len(seen), len(tokens) - base)
         start = max(0, n - 64)
         keep = start
-        while keep < n and seen[keep] == tokens[keep]:
+        while keep < n and seen[keep] == tokens[base + keep]:
             keep += 1
         if keep < len(seen):
             del seen[keep:]

@@ -13,7 +13,7 @@ import numpy as np
 from specdec_rt.errors import ChatTemplateError, GenerationInputError  # noqa: F401 - re-exported here
 from specdec_rt.runtime.bundle import Bundle, BundleError, load_bundle
 from specdec_rt.runtime.chat import NO_TEMPLATE, ChatTemplate
-from specdec_rt.runtime.drafters import Drafter, ModelDrafter, PromptLookupDrafter
+from specdec_rt.runtime.drafters import DRAFT_CONTEXT, Drafter, ModelDrafter, PromptLookupDrafter
 from specdec_rt.runtime.engine import (ContextOverflowError, make_engine, probe_batch_invariance,
                                       probe_row_invariance, shared_pool_in_use)
 from specdec_rt.runtime.gen_config import GenerationDefaults
@@ -135,8 +135,12 @@ class Generator:
                  io_binding: bool | None = None, draft_threads: int | None = 1,
                  shared_thread_pool: bool = False, probe_rows: bool = True,
                  max_context: int | None = None, max_batch: int | None = None,
-                 overlap: bool = False) -> None:
+                 overlap: bool = False, draft_context: int | None = DRAFT_CONTEXT) -> None:
         self.bundle = bundle
+        # the most tokens the draft catches up before proposing (None: all); see DRAFT_CONTEXT
+        if draft_context is not None and (isinstance(draft_context, bool) or int(draft_context) < 1):
+            raise GenerationInputError(f"draft_context must be a positive number of tokens or None, got {draft_context!r}")
+        self.draft_context = None if draft_context is None else int(draft_context)
         self.overlap = bool(overlap)
         self._verify_thread: VerifyThread | None = None
         if self.overlap:
@@ -213,7 +217,7 @@ class Generator:
         if drafter == "model":
             if self.draft_engine is None:
                 raise GenerationInputError("this bundle has no draft model; use drafter='prompt_lookup' or None")
-            return ModelDrafter(self.draft_engine, self.vocab_size)
+            return ModelDrafter(self.draft_engine, self.vocab_size, self.draft_context)
         if drafter == "prompt_lookup":
             return PromptLookupDrafter()
         raise GenerationInputError(f"unknown drafter '{drafter}'; choose one of {DRAFTERS} or None")
@@ -637,7 +641,8 @@ def load(bundle: str | os.PathLike, provider: str = "cpu", draft_provider: str |
          verify_checksums: bool = True, io_binding: bool | None = None,
          draft_threads: int | None = 1, shared_thread_pool: bool = False,
          probe_rows: bool = True, max_context: int | None = None,
-         max_batch: int | None = None, overlap: bool = False) -> Generator:
+         max_batch: int | None = None, overlap: bool = False,
+         draft_context: int | None = DRAFT_CONTEXT) -> Generator:
     """Load a bundle. ``provider``: "cpu" | "cuda" | "tensorrt"; the draft may use another one.
 
     ``io_binding``: bind the KV buffers by pointer (default on GPUs; on CPU the default feeds the
@@ -663,12 +668,18 @@ def load(bundle: str | os.PathLike, provider: str = "cpu", draft_provider: str |
     target verifies this one, on a worker thread); it also gives the target its own thread pool
     whose workers do not spin (a spinning worker takes the core the draft needs), and so should
     not be combined with ``shared_thread_pool``.
+    ``draft_context``: the most tokens the draft model runs to catch up before proposing (default
+    256; None: all of them). A longer gap (a long prompt, or a stretch decoded without drafting)
+    restarts the draft on its last ``draft_context`` tokens: proposals see a shorter history, the
+    output is unchanged, and the draft's prefill of a 2k-token prompt no longer costs more than
+    what speculation saves on the answer.
     """
     b = load_bundle(bundle, verify_checksums=verify_checksums)
     return Generator(b, provider=provider, draft_provider=draft_provider, threads=threads,
                      max_length=max_length, io_binding=io_binding, draft_threads=draft_threads,
                      shared_thread_pool=shared_thread_pool, probe_rows=probe_rows,
-                     max_context=max_context, max_batch=max_batch, overlap=overlap)
+                     max_context=max_context, max_batch=max_batch, overlap=overlap,
+                     draft_context=draft_context)
 
 
 __all__ = ["load", "Generator", "GenerationResult", "GenerationStats", "BatchStats", "BatchStream",

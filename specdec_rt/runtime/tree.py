@@ -180,10 +180,9 @@ class TreeDrafter:
 
     def build(self, tokens: list[int], params: SamplingParams, rng: np.random.Generator) -> list[_Node]:
         d, eng, shape = self.d, self.d.engine, self.shape
-        pending = tokens[len(d.seen()):]
-        root_row = d._step(pending)  # catch up; the last token is the root
+        root_row = d.advance(d.unseen(tokens))  # catch up; the last token is the root
         base = eng.length  # committed draft prefix incl. the root
-        root_pos = len(tokens) - 1
+        root_pos = base - 1  # the draft's own position of the root (its history may be cut: unseen())
         nodes = [_Node(tokens[-1], -1, 0, 0.0)]
         frontier = [0]
         backbone = [0]  # the draft's greedy chain: always expanded, always kept (greedy mode)
@@ -325,19 +324,19 @@ class TemplateDrafter:
             return ids, top, qs, draws
         t0 = time.perf_counter()
         self.caught_up_prompt = not d.seen()
-        row = d._step(tokens[len(d.seen()):])  # catch up; the root's row
+        row = d.advance(d.unseen(tokens))  # catch up; the root's row
         first = time.perf_counter() - t0
         fill = self._fill_greedy if greedy else self._fill_sampled
         if tpl.is_chain:
             for depth in range(1, n):
                 fill(tpl, [depth - 1], row[None, :], ids, top, qs, draws, params, rng)
                 if depth < n - 1:
-                    row = d._step([int(ids[depth])])
+                    row = d.advance([int(ids[depth])])
             self.first_call_share = first / (time.perf_counter() - t0)
             return ids, top, qs, draws
         fill(tpl, [0], row[None, :], ids, top, qs, draws, params, rng)
         base = eng.length  # committed draft prefix incl. the root
-        root_pos = len(tokens) - 1
+        root_pos = base - 1  # the draft's own position of the root (its history may be cut: unseen())
         window = eng.info.sliding_window
         for lvl, nodes in enumerate(tpl.levels):
             f = len(nodes)

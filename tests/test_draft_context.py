@@ -1,0 +1,52 @@
+"""The draft's bounded catch-up (load(draft_context=N)): a long prompt or a long stretch without
+drafting restarts the draft on its last N tokens; proposals change, the output never does."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+
+@pytest.fixture(scope="module")
+def gens(tiny_pair):
+    import specdec_rt
+
+    return {n: specdec_rt.load(tiny_pair["bundle"], threads=1, draft_context=n) for n in (None, 8)}
+
+
+def test_output_identical_with_a_cut_draft_history(gens):
+    rng = np.random.default_rng(1)
+    full, cut = gens[None], gens[8]
+    for n in range(3):
+        prompt = rng.integers(1, 320, 40).tolist()  # longer than the draft's 8-token context
+        ref = full.generate_ids(prompt, max_new_tokens=30, drafter=None, ignore_eos=True)
+        for kw in (dict(num_draft_tokens=3), dict(num_draft_tokens="auto"), dict(num_draft_tokens=5, speculation="tree"),
+                   dict(num_draft_tokens="auto", speculation="tree")):
+            assert cut.generate_ids(prompt, max_new_tokens=30, ignore_eos=True, **kw) == ref, kw
+            assert full.generate_ids(prompt, max_new_tokens=30, ignore_eos=True, **kw) == ref, kw
+
+
+def test_the_draft_runs_at_most_its_context_to_catch_up(gens, tiny_pair):
+    """The first proposal after a 40-token prompt runs 8 tokens through the draft, not 40; later
+    proposals continue from there (the draft's cache holds its own positions)."""
+    from specdec_rt.runtime.drafters import ModelDrafter
+
+    gen = gens[8]
+    d = ModelDrafter(gen.draft_engine, gen.vocab_size, context=8)
+    d.start([], 0)
+    tokens = list(range(1, 41))
+    assert d.unseen(tokens) == tokens[-8:]
+    d.advance(tokens[-8:])
+    assert gen.draft_engine.length == 8
+    assert d.unseen(tokens + [41, 42]) == [41, 42]  # a short gap: caught up, not restarted
+    d.advance([41, 42])
+    d.sync(tokens + [41, 99])  # the target rejected 42: roll back one position
+    assert gen.draft_engine.length == 9 and d.unseen(tokens + [41, 99]) == [99]
+    gen.draft_engine.reset()
+
+
+def test_bad_draft_context(tiny_pair):
+    import specdec_rt
+    from specdec_rt.errors import GenerationInputError
+
+    with pytest.raises(GenerationInputError, match="draft_context"):
+        specdec_rt.load(tiny_pair["bundle"], threads=1, draft_context=0)
