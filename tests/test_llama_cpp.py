@@ -99,6 +99,7 @@ def test_llama_bench_json():
     seconds = L.parse_bench_json((DATA / "llama-bench.json").read_text())
     assert sorted(seconds) == [1, 2, 4]
     assert seconds[2] == pytest.approx(0.070551096)
+    assert L.parse_bench_json((DATA / "llama-bench.json").read_text(), "stddev_ns")[1] == pytest.approx(0.028358118)
 
 
 # --------------------------------------------------------------------------------------------

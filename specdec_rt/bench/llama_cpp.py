@@ -181,8 +181,9 @@ def parse_generated(stdout: bytes, prompt: str, echoes_prompt: bool) -> bytes:
     return text[: -len(tail)]
 
 
-def parse_bench_json(stdout: str) -> dict[int, float]:
-    """``llama-bench -o json``: seconds per prompt-processing test, by its size S."""
+def parse_bench_json(stdout: str, key: str = "avg_ns") -> dict[int, float]:
+    """``llama-bench -o json``: seconds per prompt-processing test (``key``: its mean, or
+    ``stddev_ns`` for the spread over repeats), by its size S."""
     try:
         tests = json.loads(stdout)
     except json.JSONDecodeError as e:
@@ -190,7 +191,7 @@ def parse_bench_json(stdout: str) -> dict[int, float]:
     out = {}
     for t in tests:
         if int(t.get("n_gen", 0)) == 0 and int(t.get("n_prompt", 0)) > 0:
-            out[int(t["n_prompt"])] = float(t["avg_ns"]) / 1e9
+            out[int(t["n_prompt"])] = float(t.get(key, "nan")) / 1e9
     if not out:
         raise LlamaCppError("llama-bench printed no prompt-processing tests")
     return out
@@ -291,7 +292,9 @@ def time_curve(tool: Path, model, sizes: Sequence[int] = DEFAULT_SIZES, *, threa
     if 1 not in seconds:
         raise LlamaCppError(f"llama-bench reported no S=1 test: {sorted(seconds)}")
     sizes, t1 = sorted(seconds), seconds[1]
+    spread = parse_bench_json(proc.stdout, "stddev_ns")
     return {"S": sizes, "seconds": [seconds[s] for s in sizes], "ratio": [seconds[s] / t1 for s in sizes],
+            "stddev_seconds": [spread[s] for s in sizes],
             "depth": depth, "repeats": repeats, "threads": threads, "command": cmd}
 
 

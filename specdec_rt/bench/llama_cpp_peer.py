@@ -70,6 +70,7 @@ class LlamaCppPlan:
     ks: list[int] = field(default_factory=list)
     sizes: tuple[int, ...] = L.DEFAULT_SIZES
     depth: int = 128  # ours measures T(S) after 128 past tokens too
+    bench_repeats: int = 3  # llama-bench repetitions per S
 
     def configs(self) -> list[tuple[str, int]]:
         out = [("plain", 0)]
@@ -155,7 +156,7 @@ def run(plan_: LlamaCppPlan, prompts: list[str], max_new_tokens: int, repeats: i
                 if bar is not None:
                     bar.update(1)
     curve = L.time_curve(plan_.tools["bench"], plan_.target, plan_.sizes, threads=plan_.threads,
-                         depth=plan_.depth)
+                         depth=plan_.depth, repeats=plan_.bench_repeats)
     if bar is not None:
         bar.update(1)
         bar.close()
