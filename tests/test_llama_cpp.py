@@ -306,3 +306,30 @@ def test_real_tools_agree_with_themselves():
     assert spec.timings["accepted"] > 0  # the target drafting for itself
     curve = L.time_curve(tools["bench"], REAL_GGUF, (1, 2), threads=1, depth=16, repeats=1)
     assert curve["S"] == [1, 2] and curve["ratio"][0] == 1.0
+
+
+def test_spec_bench_systems_share_the_plain_decode(fake_tools, tmp_path):
+    """--suite spec-bench: llama.cpp's systems compare token lists, so a speculative run whose text
+    starts with the plain text carries the plain run's list, and each keeps llama.cpp's own rate."""
+    from types import SimpleNamespace
+
+    from specdec_rt.bench.spec_bench import Question, SpecBenchConfig
+
+    t = tmp_path / "t.gguf"
+    t.write_bytes(b"GGUF")
+    manifest = {"models": {"target": {"source": {"format": "gguf", "path": str(t)}},
+                           "draft": {"source": {"format": "gguf", "path": str(t)}}}}
+    tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens=True: [ord(c) for c in text])
+    gen = SimpleNamespace(bundle=SimpleNamespace(manifest=manifest), max_length=256, tokenizer=tokenizer)
+    cfg = SpecBenchConfig(bundle="b", questions="q", peer_ks=[3], threads=1)
+    systems = L.spec_bench_systems(cfg, gen)
+    assert [s.name for s in systems] == ["llama.cpp target-only", "llama.cpp spec K=3", "llama.cpp lookup K=3"]
+    assert [s.is_base for s in systems] == [True, False, False] and {s.family for s in systems} == {"llama.cpp"}
+    q = Question(1, "writing", "hi")
+    plain, spec, lookup = (s.run(q, [1, 2], "<prompt>", 16) for s in systems)
+    assert plain.tokens == [ord(c) for c in "Title: a trip"]
+    assert spec.tokens == plain.tokens  # "Title: a trip, and more": ran past the budget, same text
+    assert lookup.tokens != plain.tokens  # "Title: a tour"
+    assert (spec.proposed, spec.accepted) == (27, 11)
+    assert len(plain.tokens) / plain.seconds == pytest.approx(16 / (1.6605 + 1.93412))
+    assert (lookup.proposed, lookup.accepted) == (0, 0) and plain.ttft == pytest.approx(1.6605)
