@@ -26,7 +26,7 @@ def add_generation_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--num-draft-tokens", "-k", type=draft_tokens_arg, default=4,
                    help="draft length K, or 'auto' (cost-model policy)")
-    g.add_argument("--drafter", default="model", choices=["model", "prompt_lookup", "none"],
+    g.add_argument("--drafter", default="model", choices=["model", "prompt_lookup", "hybrid", "none"],
                    help="'none' = target-only decoding")
     g.add_argument("--speculation", default="chain", choices=["chain", "tree"])
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")

@@ -14,6 +14,7 @@ from specdec_rt.errors import ChatTemplateError, GenerationInputError  # noqa: F
 from specdec_rt.runtime.bundle import Bundle, BundleError, load_bundle
 from specdec_rt.runtime.chat import NO_TEMPLATE, ChatTemplate
 from specdec_rt.runtime.drafters import DRAFT_CONTEXT, Drafter, ModelDrafter, PromptLookupDrafter
+from specdec_rt.runtime.hybrid import HybridDrafter, HybridPolicy
 from specdec_rt.runtime.engine import (ContextOverflowError, make_engine, probe_batch_invariance,
                                       probe_row_invariance, shared_pool_in_use)
 from specdec_rt.runtime.gen_config import GenerationDefaults
@@ -24,7 +25,7 @@ from specdec_rt.runtime.speculative import LoopConfig, Row, run_batch, run_chain
 from specdec_rt.runtime.stats import BatchStats, GenerationStats
 from specdec_rt.runtime.tokenizer import IncrementalDecoder, TextTokenizer
 
-DRAFTERS = ("model", "prompt_lookup")
+DRAFTERS = ("model", "prompt_lookup", "hybrid")
 
 
 @dataclass
@@ -220,6 +221,11 @@ class Generator:
             return ModelDrafter(self.draft_engine, self.vocab_size, self.draft_context)
         if drafter == "prompt_lookup":
             return PromptLookupDrafter()
+        if drafter == "hybrid":
+            if self.draft_engine is None:
+                raise GenerationInputError("drafter='hybrid' mixes prompt lookup with the draft model, and this "
+                                           "bundle has no draft model; use drafter='prompt_lookup'")
+            return HybridDrafter(ModelDrafter(self.draft_engine, self.vocab_size, self.draft_context))
         raise GenerationInputError(f"unknown drafter '{drafter}'; choose one of {DRAFTERS} or None")
 
     def _row_config(self, max_new_tokens: int, temperature: float | None, top_k: int | None,
@@ -253,7 +259,14 @@ class Generator:
         """(fixed K, adaptive policy or None, drafter) for a generation of ``width`` sequences."""
         policy = None
         k = 0
-        if num_draft_tokens == "auto" and speculation == "chain":
+        if drafter == "hybrid" and overlap:
+            raise GenerationInputError("drafter='hybrid' does not draft ahead: use overlap=False with it")
+        if num_draft_tokens == "auto" and speculation == "chain" and drafter == "hybrid":
+            from specdec_rt.runtime.policy import make_policy
+
+            policy = HybridPolicy(make_policy(self, "prompt_lookup", width, scope="hybrid:"),
+                                  make_policy(self, "model", width, scope="hybrid:"))
+        elif num_draft_tokens == "auto" and speculation == "chain":
             from specdec_rt.runtime.policy import make_policy
 
             policy = make_policy(self, drafter, width, overlap)
@@ -263,6 +276,8 @@ class Generator:
                 raise GenerationInputError(f"num_draft_tokens must be 0..64 or 'auto', got {num_draft_tokens!r}")
             k = int(num_draft_tokens)
         d = self._drafter(drafter)
+        if isinstance(d, HybridDrafter):
+            d.policy = policy
         if policy is not None and isinstance(d, ModelDrafter) and policy.use_confidence_stop:
             d.confidence_floor = policy.confidence_floor()
         return k, policy, d

@@ -328,7 +328,8 @@ class AdaptivePolicy:
         return k
 
 
-def make_policy(generator, drafter: str | None, max_width: int = 1, overlap: bool = False) -> AdaptivePolicy:
+def make_policy(generator, drafter: str | None, max_width: int = 1, overlap: bool = False,
+                scope: str = "") -> AdaptivePolicy:
     """The generator's policy for this drafter, measured once and kept across generations.
 
     The cost model is measured once per generator for one sequence, and once per batch width
@@ -336,7 +337,7 @@ def make_policy(generator, drafter: str | None, max_width: int = 1, overlap: boo
     uses the engines' caches).
     """
     cache = generator.__dict__.setdefault("_policies", {})
-    key = (drafter or "none", bool(overlap))
+    key = (scope + (drafter or "none"), bool(overlap))  # scope: e.g. the hybrid's own pair of policies
     draft = generator.draft_engine if drafter == "model" else None
     clock = generator.__dict__.get("measure_clock", time.perf_counter)
     cost = generator.__dict__.get("_cost_model")

@@ -8,7 +8,7 @@ than 1, ``logprobs``, penalties, tools...); a few that change nothing here (``us
 
 Extensions (vLLM's names where vLLM has them): ``top_k`` (0 or -1: off), ``ignore_eos``,
 ``chat_template_kwargs`` (chat), and ``specdec``: ``{"num_draft_tokens": 0..64 | "auto",
-"drafter": "model" | "prompt_lookup" | "none", "speculation": "chain" | "tree", "timeout": s}``
+"drafter": "model" | "prompt_lookup" | "hybrid" | "none", "speculation": "chain" | "tree", "timeout": s}``
 overriding the server's defaults for one request.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: 
                413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
                503: "service_unavailable_error", 504: "timeout_error"}
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
-DRAFTERS = ("model", "prompt_lookup", "none")
+DRAFTERS = ("model", "prompt_lookup", "hybrid", "none")
 SPECULATION = ("chain", "tree")
 MAX_STOP = 16
 MAX_SEED = 2 ** 63
