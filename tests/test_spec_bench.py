@@ -66,6 +66,8 @@ def test_spec_bench_suite_end_to_end(spec_bench_files, tmp_path):
     overall = {r["system"]: r for r in res["overall"]}
     assert overall["model K=2"]["tokens_per_target_call"] > 1.0  # self-draft: everything accepted
     assert overall["target-only"]["ttft_ms"] > 0
+    assert overall["target-only"]["decode_speedup"] == pytest.approx(1.0)
+    assert overall["model K=2"]["decode_tokens_per_second"] > 0
     # the chat template was applied: prompts are longer than the raw questions' tokens
     assert all(n > 5 for n in res["prompt_tokens"].values())
     md = (out / "spec_bench.md").read_text()
@@ -85,6 +87,7 @@ def test_spec_bench_with_onnxruntime_genai(spec_bench_files, tmp_path):
     rows = {r["system"]: r for r in res["overall"]}
     assert not res["skipped"], res["skipped"]
     assert rows["onnxruntime-genai target-only"]["tokens"] == 8
+    assert rows["onnxruntime-genai target-only"]["ttft_ms"] > 0  # timed to its first new token
     # genai's greedy output is the same model's: equal to ours token for token on this tiny pair
     assert rows["onnxruntime-genai spec K=2"]["identical_to_own_target_only"]
 

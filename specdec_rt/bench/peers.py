@@ -415,11 +415,15 @@ class OrtGenaiSession:
         if self.spec_opts:
             params.set_speculative_options(**self.spec_opts)
         gen = og.Generator(self.model, params)
+        t0 = time.perf_counter()
         gen.append_tokens(np.asarray(prompt, dtype=np.int32))
+        ttft = None
         while not gen.is_done():
             gen.generate_next_token()
+            if ttft is None:  # the prompt's forward pass and the first new token
+                ttft = time.perf_counter() - t0
         tokens = [int(t) for t in gen.get_sequence(0)[len(prompt):]]
-        extra: dict = {}
+        extra: dict = {"ttft": ttft}
         if self.spec_opts:
             stats = dict(gen.get_speculative_stats())
             extra = {k: stats[k] for k in _GENAI_STAT_KEYS if k in stats}
