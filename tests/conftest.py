@@ -1,12 +1,16 @@
 """Session fixtures: tiny checkpoints and their exported bundles (built once per test run)."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+# measured cost models are not shared through ~/.cache between tests (or with a developer's runs):
+# each generator measures its own, as before the cache; tests/test_cost_cache.py turns it on
+os.environ["SPECDEC_COST_CACHE"] = "0"
 
 from helpers import (llama_config, make_checkpoint, make_perturbed_copy,  # noqa: E402
                      make_tiny_vocab_checkpoint)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from specdec_rt.runtime import cost_cache
 from specdec_rt.runtime.engine import OrtEngine, causal_mask
 from specdec_rt.runtime.overlap import hit_probability
 
@@ -341,18 +342,41 @@ def make_policy(generator, drafter: str | None, max_width: int = 1, overlap: boo
     draft = generator.draft_engine if drafter == "model" else None
     clock = generator.__dict__.get("measure_clock", time.perf_counter)
     cost = generator.__dict__.get("_cost_model")
+    key = _cost_key(generator, clock)
+    if cost is None and key is not None:  # measured before on this machine (cost_cache)
+        cached = cost_cache.load_cost(key)
+        if cached is not None:
+            cost = generator._cost_model = CostModel(**cached)
+    changed = False
     if cost is None or (draft is not None and cost.draft_step == 0.0):
         cost = measure_cost_model(generator.target, draft, clock=clock)
         generator._cost_model = cost
+        changed = True
     for width in batch_widths(max_width):
         if width not in cost.widths or (draft is not None and cost.widths[width][1] == 0.0):
             measure_width(cost, generator.target, draft, width, clock=clock)
+            changed = True
+    if changed and key is not None:
+        cost_cache.save_cost(key, cost.target_times, cost.draft_step, cost.widths)
     if drafter != "model":  # prompt lookup: drafting costs (next to) nothing
         cost = CostModel(cost.target_times, 0.0, {b: (t, 0.0) for b, (t, _) in cost.widths.items()})
     policy = cache.setdefault(key, AdaptivePolicy(cost, overlap=bool(overlap), clock=clock))
     policy.cost = cost  # possibly with more widths than when the policy was made
     policy._step_times = {}
     return policy
+
+
+def _cost_key(generator, clock) -> str | None:
+    """The on-disk cost model's key for this generator's bundle, engines and clock (None: a
+    bundle without a manifest, e.g. engines built by hand in tests)."""
+    manifest = getattr(getattr(generator, "bundle", None), "manifest", None)
+    if not manifest:
+        return None
+    graphs = [m["graph"] for m in manifest.get("models", {}).values() if isinstance(m, dict) and "graph" in m]
+    draft = getattr(generator, "draft_engine", None)
+    machine = {"target": cost_cache.engine_settings(generator.target), "draft": cost_cache.engine_settings(draft),
+               "clock": getattr(clock, "__name__", str(clock)), "max_len": getattr(generator.target, "max_len", None)}
+    return cost_cache.cost_key(manifest, graphs, machine)
 
 
 @dataclass

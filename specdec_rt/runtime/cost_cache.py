@@ -1,0 +1,95 @@
+"""The measured cost model kept on disk, per bundle and machine: "auto" without a cold start.
+
+"auto" decides from T(S) (the target's time for S new tokens, S = 1..16) and the draft's step
+time, measured on the machine at hand. Measuring takes a moment on a small pair (~0.3 s) but
+~20 s on a 1.5B int4 target on 2 cores (12 round-robin passes over 16 call widths), which a
+one-off ``specdec-run`` would pay on every start. The figures depend only on the graphs and the
+machine, so they are stored once under a key of both and read back by later processes.
+
+Key: the bundle's graph checksums (manifest), the CPU model and core count, the ONNX Runtime
+version, the provider, the thread settings and the clock. Location: ``$SPECDEC_CACHE_DIR`` (or
+``~/.cache/specdec-rt``) ``/costs/<key>.json``; ``SPECDEC_COST_CACHE=0`` turns it off. A file
+that does not parse is ignored and rewritten. The first generation of each new (bundle,
+machine) still measures; widths of batched calls are added as they are measured.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+from pathlib import Path
+
+VERSION = 1
+
+
+def cache_dir() -> Path | None:
+    """Where cost models are kept, or None when caching is off."""
+    if os.environ.get("SPECDEC_COST_CACHE", "1") in ("0", "false", "no", "off"):
+        return None
+    root = os.environ.get("SPECDEC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "specdec-rt")
+    return Path(root) / "costs"
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cost_key(manifest: dict, role_graphs: list[str], machine: dict) -> str:
+    """A digest of the graphs' checksums (and their external data) and the machine."""
+    import onnxruntime as ort
+
+    files = manifest.get("files", {})
+    graphs = {f: d for f, d in sorted(files.items()) if any(f.startswith(g.rsplit("/", 1)[0] + "/") for g in role_graphs)}
+    ident = {"version": VERSION, "graphs": graphs, "cpu": _cpu(), "cores": os.cpu_count(),
+             "onnxruntime": ort.__version__, **machine}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def engine_settings(engine) -> dict:
+    """What of an engine's setup changes its timings: provider and thread pools."""
+    if engine is None:
+        return {}
+    opts = getattr(getattr(engine, "session", None), "get_session_options", lambda: None)()
+    return {"provider": getattr(engine, "provider", type(engine).__name__),
+            "threads": getattr(opts, "intra_op_num_threads", None),
+            "own_pool": getattr(opts, "use_per_session_threads", None)}
+
+
+def load_cost(key: str) -> dict | None:
+    """``{"target_times": [...], "draft_step": c, "widths": {B: (times, c)}}`` or None."""
+    d = cache_dir()
+    if d is None:
+        return None
+    try:
+        data = json.loads((d / f"{key}.json").read_text())
+        if data.get("version") != VERSION:
+            return None
+        return {"target_times": [float(x) for x in data["target_times"]], "draft_step": float(data["draft_step"]),
+                "widths": {int(b): ([float(x) for x in t], float(c)) for b, (t, c) in data["widths"].items()}}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save_cost(key: str, target_times: list[float], draft_step: float, widths: dict) -> None:
+    """Write atomically (a reader never sees half a file); a read-only cache is not an error."""
+    d = cache_dir()
+    if d is None:
+        return
+    data = {"version": VERSION, "target_times": list(target_times), "draft_step": draft_step,
+            "widths": {str(b): [list(t), c] for b, (t, c) in widths.items()}}
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=".cost-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, d / f"{key}.json")
+    except OSError:
+        pass

@@ -1,0 +1,64 @@
+"""The cost model "auto" decides from is measured once per bundle and machine and read back from
+disk by later generators (no cold start), keyed so that another bundle or setup measures anew."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_COST_CACHE", "1")
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    return tmp_path / "costs"
+
+
+def test_second_generator_reads_the_measured_cost_model(tiny_pair, cache, monkeypatch):
+    import specdec_rt
+    from specdec_rt.runtime import policy
+
+    prompt = [5, 6, 7, 8]
+    first = specdec_rt.load(tiny_pair["bundle"], threads=1)
+    first.generate_ids(prompt, max_new_tokens=6, num_draft_tokens="auto")
+    files = list(cache.glob("*.json"))
+    assert len(files) == 1
+    saved = json.loads(files[0].read_text())
+    assert len(saved["target_times"]) == 16 and saved["draft_step"] > 0
+
+    def no_measuring(*a, **kw):
+        raise AssertionError("measured again although the cost model was on disk")
+
+    monkeypatch.setattr(policy, "measure_cost_model", no_measuring)
+    second = specdec_rt.load(tiny_pair["bundle"], threads=1)
+    out = second.generate_ids(prompt, max_new_tokens=6, num_draft_tokens="auto")
+    assert out == first.generate_ids(prompt, max_new_tokens=6, drafter=None)
+    assert second._cost_model.target_times == saved["target_times"]  # noqa: SLF001 - what the policy used
+
+    # another setup (threads) is another key: measured, a second file
+    monkeypatch.undo()
+    monkeypatch.setenv("SPECDEC_COST_CACHE", "1")
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(cache.parent))
+    specdec_rt.load(tiny_pair["bundle"], threads=2).generate_ids(prompt, max_new_tokens=6, num_draft_tokens="auto")
+    assert len(list(cache.glob("*.json"))) == 2
+
+
+def test_a_corrupt_file_is_measured_over(tiny_pair, cache):
+    import specdec_rt
+
+    gen = specdec_rt.load(tiny_pair["bundle"], threads=1)
+    gen.generate_ids([5, 6, 7], max_new_tokens=4, num_draft_tokens="auto")
+    (path,) = cache.glob("*.json")
+    path.write_text("{ not json")
+    again = specdec_rt.load(tiny_pair["bundle"], threads=1)
+    assert again.generate_ids([5, 6, 7], max_new_tokens=4, num_draft_tokens="auto")
+    assert json.loads(path.read_text())["version"] == 1  # rewritten
+
+
+def test_off_switch(tiny_pair, tmp_path, monkeypatch):
+    import specdec_rt
+
+    monkeypatch.setenv("SPECDEC_COST_CACHE", "0")
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    specdec_rt.load(tiny_pair["bundle"], threads=1).generate_ids([5, 6], max_new_tokens=4, num_draft_tokens="auto")
+    assert not (tmp_path / "costs").exists()
