@@ -132,9 +132,11 @@ class ModelDrafter:
         confidence = [1.0] * len(rows)
         floor = self.confidence_floor
         pending = []
-        self.caught_up_prompt = any(not self._seen[row.seq] for row in rows)
+        self.caught_up_prompt = False
         for row in rows:
             todo = self.unseen(row.tokens, row.seq)
+            # a fresh (or restarted, see unseen) sequence: this proposal's first call is prefill
+            self.caught_up_prompt |= not self._seen[row.seq]
             if len(rows) > 1 and len(todo) > BATCH_CATCH_UP:
                 self._step(todo[:-1], row.seq)
                 todo = todo[-1:]

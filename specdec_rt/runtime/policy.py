@@ -342,9 +342,9 @@ def make_policy(generator, drafter: str | None, max_width: int = 1, overlap: boo
     draft = generator.draft_engine if drafter == "model" else None
     clock = generator.__dict__.get("measure_clock", time.perf_counter)
     cost = generator.__dict__.get("_cost_model")
-    key = _cost_key(generator, clock)
-    if cost is None and key is not None:  # measured before on this machine (cost_cache)
-        cached = cost_cache.load_cost(key)
+    disk_key = _cost_key(generator, clock)
+    if cost is None and disk_key is not None:  # measured before on this machine (cost_cache)
+        cached = cost_cache.load_cost(disk_key)
         if cached is not None:
             cost = generator._cost_model = CostModel(**cached)
     changed = False
@@ -356,8 +356,8 @@ def make_policy(generator, drafter: str | None, max_width: int = 1, overlap: boo
         if width not in cost.widths or (draft is not None and cost.widths[width][1] == 0.0):
             measure_width(cost, generator.target, draft, width, clock=clock)
             changed = True
-    if changed and key is not None:
-        cost_cache.save_cost(key, cost.target_times, cost.draft_step, cost.widths)
+    if changed and disk_key is not None:
+        cost_cache.save_cost(disk_key, cost.target_times, cost.draft_step, cost.widths)
     if drafter != "model":  # prompt lookup: drafting costs (next to) nothing
         cost = CostModel(cost.target_times, 0.0, {b: (t, 0.0) for b, (t, _) in cost.widths.items()})
     policy = cache.setdefault(key, AdaptivePolicy(cost, overlap=bool(overlap), clock=clock))

@@ -323,8 +323,9 @@ class TemplateDrafter:
         if n == 1:
             return ids, top, qs, draws
         t0 = time.perf_counter()
-        self.caught_up_prompt = not d.seen()
-        row = d.advance(d.unseen(tokens))  # catch up; the root's row
+        pending = d.unseen(tokens)
+        self.caught_up_prompt = not d.seen()  # fresh or restarted: the catch-up is prefill
+        row = d.advance(pending)  # catch up; the root's row
         first = time.perf_counter() - t0
         fill = self._fill_greedy if greedy else self._fill_sampled
         if tpl.is_chain:
