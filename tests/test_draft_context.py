@@ -48,5 +48,6 @@ def test_bad_draft_context(tiny_pair):
     import specdec_rt
     from specdec_rt.errors import GenerationInputError
 
-    with pytest.raises(GenerationInputError, match="draft_context"):
-        specdec_rt.load(tiny_pair["bundle"], threads=1, draft_context=0)
+    for bad in (0, "256", True):
+        with pytest.raises(GenerationInputError, match="draft_context"):
+            specdec_rt.load(tiny_pair["bundle"], threads=1, draft_context=bad)

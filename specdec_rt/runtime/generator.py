@@ -139,7 +139,8 @@ class Generator:
                  overlap: bool = False, draft_context: int | None = DRAFT_CONTEXT) -> None:
         self.bundle = bundle
         # the most tokens the draft catches up before proposing (None: all); see DRAFT_CONTEXT
-        if draft_context is not None and (isinstance(draft_context, bool) or int(draft_context) < 1):
+        if draft_context is not None and (isinstance(draft_context, bool) or not isinstance(draft_context, (int, np.integer))
+                                          or draft_context < 1):
             raise GenerationInputError(f"draft_context must be a positive number of tokens or None, got {draft_context!r}")
         self.draft_context = None if draft_context is None else int(draft_context)
         self.overlap = bool(overlap)
