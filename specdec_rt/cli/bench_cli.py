@@ -89,14 +89,19 @@ def main(argv: list[str] | None = None) -> int:
             compare_graphs=args.compare_graphs, graphs_only=args.graphs_only, tree_budgets=[int(b) for b in _csv(args.tree_budgets)],
             overlap=args.overlap, clock=args.clock, gguf_target=args.gguf_target, gguf_draft=args.gguf_draft,
         )
-        results = run_bench(cfg)
-        results["command"] = "specdec-bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-        written = report.write(results, Path(args.out))
-        print(written["markdown"])
-        print(f"wrote {', '.join(written['files'])} to {args.out}")
-        return 0
+        return _finish(run_bench(cfg), report.write, args.out, argv)
 
     return fail(run)
+
+
+def _finish(results: dict, write, out: str, argv) -> int:
+    """Record the command line, write the results with ``write`` (JSON, markdown, plots), print
+    the table and what was written."""
+    results["command"] = "specdec-bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    written = write(results, Path(out))
+    print(written["markdown"])
+    print(f"wrote {', '.join(written['files'])} to {out}")
+    return 0
 
 
 def _suite(args, argv) -> int:
@@ -114,12 +119,7 @@ def _suite(args, argv) -> int:
         peer_ks=[int(k) for k in _csv(args.peer_k)], repeats=args.repeats, threads=args.threads,
         peer_cache=args.peer_cache, gguf_target=args.gguf_target, gguf_draft=args.gguf_draft,
         progress=not args.quiet)
-    results = spec_bench.run_spec_bench(cfg)
-    results["command"] = "specdec-bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    written = spec_bench.write(results, Path(args.out))
-    print(written["markdown"])
-    print(f"wrote {', '.join(written['files'])} to {args.out}")
-    return 0
+    return _finish(spec_bench.run_spec_bench(cfg), spec_bench.write, args.out, argv)
 
 
 def _batch(args, prompts: list[str], argv) -> int:
@@ -137,12 +137,7 @@ def _batch(args, prompts: list[str], argv) -> int:
         auto=not args.no_auto, drafters=[d for d in _csv(args.drafter)], max_new_tokens=args.max_new_tokens,
         requests=args.batch_requests, repeats=args.repeats, threads=args.threads, progress=not args.quiet,
         clock=args.clock)
-    results = batch.run_batch_bench(cfg)
-    results["command"] = "specdec-bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    written = batch.write(results, Path(args.out))
-    print(written["markdown"])
-    print(f"wrote {', '.join(written['files'])} to {args.out}")
-    return 0
+    return _finish(batch.run_batch_bench(cfg), batch.write, args.out, argv)
 
 
 if __name__ == "__main__":
