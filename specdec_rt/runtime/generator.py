@@ -687,7 +687,7 @@ def load(bundle: str | os.PathLike, provider: str = "cpu", draft_provider: str |
     ``draft_context``: the most tokens the draft model runs to catch up before proposing (default
     256; None: all of them). A longer gap (a long prompt, or a stretch decoded without drafting)
     restarts the draft on its last ``draft_context`` tokens: proposals see a shorter history, the
-    output is unchanged, and the draft's prefill of a 2k-token prompt no longer costs more than
+    output is unchanged, and the draft's prefill of a long prompt no longer costs more than
     what speculation saves on the answer.
     """
     b = load_bundle(bundle, verify_checksums=verify_checksums)
