@@ -35,11 +35,12 @@ def test_second_generator_reads_the_measured_cost_model(tiny_pair, cache, monkey
     assert out == first.generate_ids(prompt, max_new_tokens=6, drafter=None)
     assert second._cost_model.target_times == saved["target_times"]  # noqa: SLF001 - what the policy used
 
-    # another setup (threads) is another key: measured, a second file
+    # another setup (here the context the cache is sized for) is another key: measured, a second file
     monkeypatch.undo()
     monkeypatch.setenv("SPECDEC_COST_CACHE", "1")
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(cache.parent))
-    specdec_rt.load(tiny_pair["bundle"], threads=2).generate_ids(prompt, max_new_tokens=6, num_draft_tokens="auto")
+    specdec_rt.load(tiny_pair["bundle"], threads=1, max_context=64).generate_ids(prompt, max_new_tokens=6,
+                                                                               num_draft_tokens="auto")
     assert len(list(cache.glob("*.json"))) == 2
 
 

@@ -25,6 +25,8 @@ def cut_bundle(tiny_pair, tmp_path_factory):
 def test_manifest_graph_and_validation(cut_bundle):
     import onnxruntime as ort
 
+    from specdec_rt.runtime.engine import session_options
+
     out, manifest = cut_bundle
     draft = manifest["models"]["draft"]
     assert draft["output_ids"] == "draft/output_ids.npy" and draft["output_vocab"] == KEEP
@@ -34,7 +36,8 @@ def test_manifest_graph_and_validation(cut_bundle):
     assert list(ids) == list(range(KEEP))  # the tiny tokenizer's one special token is id 0
     # the float graph was validated against PyTorch on the kept columns (enforced for fp32)
     assert draft["validation"]["max_logit_error"] < 1e-3 * max(1.0, draft["validation"]["max_abs_logit"])
-    sess = ort.InferenceSession(str(out / "draft/model.onnx"), providers=["CPUExecutionProvider"])
+    # session_options: another test may have made the process-wide pool, which ORT then requires
+    sess = ort.InferenceSession(str(out / "draft/model.onnx"), session_options(1), providers=["CPUExecutionProvider"])
     info = json.loads((out / "manifest.json").read_text())["models"]["draft"]
     feeds = {"input_ids": np.array([[5, 9, 200]], dtype=np.int64), "position_ids": np.arange(3)[None],
              "attention_mask": np.triu(np.full((3, 3), -np.inf, dtype=np.float32), 1)[None, None]}
