@@ -267,12 +267,12 @@ def summarize(cfg, questions, prompts, systems, runs, gen, skipped, peak_rss_mb)
     def rows_for(indices: list[int]) -> list[dict]:
         aggs = {s.name: _agg([o for i in indices for o in runs[s.name][i]]) for s in systems}
         fastest = min(ours_bases, key=lambda n: aggs[n]["seconds"])
+        fastest_dec = min(ours_bases, key=lambda n: aggs[n]["decode_seconds"] or float("inf"))
         out = []
         for s in systems:
             a = dict(aggs[s.name])
             a["system"], a["family"] = s.name, s.family
             a["speedup"] = aggs[fastest]["seconds"] / a["seconds"] if a["seconds"] else None
-            fastest_dec = min(ours_bases, key=lambda n: aggs[n]["decode_seconds"] or float("inf"))
             a["decode_speedup"] = (aggs[fastest_dec]["decode_seconds"] / a["decode_seconds"]
                                    if a["decode_seconds"] and aggs[fastest_dec]["decode_seconds"] else None)
             own = base_of.get(s.family)
