@@ -51,3 +51,39 @@ def test_bad_draft_context(tiny_pair):
     for bad in (0, "256", True):
         with pytest.raises(GenerationInputError, match="draft_context"):
             specdec_rt.load(tiny_pair["bundle"], threads=1, draft_context=bad)
+
+
+def test_a_draft_re_entering_after_a_stretch_without_it_resyncs_on_a_short_window(gens):
+    """After tokens decoded without drafting ("auto" at K = 0, the hybrid on lookup) the draft
+    restarts on its last ``resync`` tokens, not ``context``: a probe must be cheap. The first
+    proposal of a sequence still gets ``context``; both count as a long catch-up (the policies
+    do not learn step costs from them)."""
+    from specdec_rt.runtime.drafters import ModelDrafter
+    from specdec_rt.runtime.sampling import SamplingParams
+    from specdec_rt.runtime.speculative import LoopConfig, Row
+    from specdec_rt.runtime.stats import GenerationStats
+
+    gen = gens[None]
+    d = ModelDrafter(gen.draft_engine, gen.vocab_size, context=16, resync=4)
+    assert d.resync == 4
+    prompt = list(range(1, 31))
+    d.start(prompt, 0)
+    assert d.unseen(prompt + [31]) == (prompt + [31])[-16:]  # drafting starts with the sequence
+    d.start(prompt, 0)
+    later = prompt + list(range(31, 41))  # 10 tokens decoded without the draft
+    assert d.unseen(later) == later[-4:]
+    d.advance(later[-4:])
+    assert d.unseen(later + [41, 42]) == [41, 42]  # short gaps are caught up as before
+    assert d.unseen(later + list(range(41, 61))) == list(range(57, 61))  # a long one resyncs
+    cfg = LoopConfig(max_new_tokens=8, params=SamplingParams(temperature=0.0))
+    row = Row(prompt, cfg, np.random.default_rng(0), GenerationStats(), seq=0)
+    d.start(prompt, 0)
+    row.tokens = later
+    d.propose([row], [1])
+    assert d.caught_up_prompt  # fresh + a long gap
+    row.tokens = later + [99]
+    d.sync(row.tokens[:-1], 0)
+    d.propose([row], [1])
+    assert not d.caught_up_prompt  # one or two tokens: a normal drafting step
+    assert ModelDrafter(gen.draft_engine, gen.vocab_size, context=None).resync is None
+    gen.draft_engine.reset()

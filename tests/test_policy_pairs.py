@@ -214,3 +214,52 @@ def test_tree_policy_prices_the_first_draft_call_as_the_chain_policy_does():
     # the root's call at the first-call scale, level 1 (one expanded node) at the later one
     assert tree.model_seconds(t) == pytest.approx(tree.first_draft_scale * 0.3 + tree.draft_scale * 0.3
                                                   + tree.target_scale * cost.target(4))
+
+
+def test_chain_probe_from_k0_is_a_burst_that_stops_on_a_miss():
+    """From K = 0 a probe drafts probe_k tokens for probe_steps steps in a row (its cost is the
+    draft's catch-up, paid once), ends at the first step that accepts nothing, and the interval
+    between probes doubles while drafting does not pay."""
+    cost = CostModel([1.0 + 0.1 * s for s in range(16)], 0.8)
+    policy = AdaptivePolicy(cost, accept=[0.05] * 12)
+    ks = [policy.choose() for _ in range(policy.probe_every)]
+    assert ks[:-1] == [0] * (policy.probe_every - 1) and ks[-1] == policy.probe_k
+    policy.observe(policy.probe_k, 1)  # a hit: the probe goes on
+    burst = [policy.choose() for _ in range(policy.probe_steps - 1)]
+    assert burst == [policy.probe_k] * (policy.probe_steps - 1)
+    assert policy.choose() == 0  # the burst is over and the estimates still say K = 0
+    # the next probe starts twice the interval after this one started, and stops at its first miss
+    ks = [policy.choose() for _ in range(2 * policy.probe_every - policy.probe_steps)]
+    assert ks[-1] == policy.probe_k and set(ks[:-1]) == {0}
+    policy.observe(policy.probe_k, 0)
+    assert policy.choose() == 0
+    drafted = 0
+    for _ in range(1024):
+        if policy.choose():
+            drafted += 1
+            policy.observe(policy.probe_k, 0)
+    assert drafted <= 8, drafted  # every 256 steps at most (the back-off's cap)
+
+
+def test_brief_drafting_does_not_reset_the_probe_back_off():
+    """Estimates carried over from an earlier prompt may make a few steps draft before this
+    prompt's misses pull K back to 0: that must not reset the back-off (only probe_every steps
+    of paying K in a row do), or a weak pair probes every few steps again."""
+    cost = CostModel([1.0 + 0.1 * s for s in range(16)], 0.8)
+    policy = AdaptivePolicy(cost, accept=[0.05] * 12)
+    for _ in range(600):  # back-off at its cap
+        if policy.choose():
+            policy.observe(policy.probe_k, 0)
+    backoff = policy._backoff
+    assert backoff == 32
+    policy.accept = [0.99] * 12
+    assert policy.choose() > 0  # drafting pays for a moment ...
+    for _ in range(5):
+        policy.observe(4, 0)
+    while policy.choose():
+        policy.observe(4, 0)
+    assert policy._backoff == backoff  # ... then it does not: the back-off is still at its cap
+    policy.accept = [0.99] * 12
+    for _ in range(policy.probe_every):
+        assert policy.choose() > 0
+    assert policy._backoff == 1  # drafting paid for probe_every steps: probes are frequent again

@@ -19,10 +19,20 @@ BATCH_CATCH_UP = 4
 # The most tokens a draft runs to catch up before proposing: a longer gap (a long prompt at the
 # first proposal, or many steps decoded without drafting) restarts the draft's sequence on its
 # last DRAFT_CONTEXT tokens instead. The draft's context only shapes its proposals, never the
-# output, and catching up is prefill work: prefill runs at ~75 tok/s for a 1.5B int4 target on
-# 2 cores (a 0.5B draft ~3x that), so a draft catching up Spec-Bench's 700-token prompts spent
-# seconds, a large share of the 128 tokens of decoding it was meant to speed up.
-DRAFT_CONTEXT = 256
+# output, and catching up is prefill work: a 0.5B int4 draft catches up 64 tokens in 0.19 s and
+# 256 in 0.7-1.5 s on 2 cores (one step of its 1.5B target: 0.04 s). Measured on Spec-Bench with
+# the Qwen2.5-Coder int4 pair at K = 2 (first question of summarization, rag, coding, math):
+# acceptance 0.15 / 0.47 / 0.83 / 0.88 with 64 tokens of context against 0.16 / 0.50 / 0.83 /
+# 0.90 with 256, and decode 0.69 / 1.04 / 1.25 / 1.28x target-only against 0.60 / 0.92 / 1.25 /
+# 1.27x (32 tokens: math's acceptance fell to 0.71).
+DRAFT_CONTEXT = 64
+# A draft that re-enters after a stretch of decoding without it ("auto" at K = 0 probing, or the
+# hybrid drafter back from prompt lookup) restarts on its last RESYNC_CONTEXT tokens when its gap
+# is longer: a probe must be cheap to be worth making. Measured on the Qwen2.5-Coder 0.5B int4
+# draft (2 cores): 32 tokens of catch-up 0.08 s, 64 tokens 0.19 s, 256 tokens 0.7-1.5 s, while one
+# target step is ~0.04 s; a probe that caught up 256 tokens cost "auto" 13% of a 700-token-prompt
+# generation.
+RESYNC_CONTEXT = 32
 
 
 class Drafter(Protocol):
@@ -52,14 +62,18 @@ class ModelDrafter:
 
     name = "model"
 
-    def __init__(self, engine: OrtEngine, target_vocab: int, context: int | None = DRAFT_CONTEXT) -> None:
+    def __init__(self, engine: OrtEngine, target_vocab: int, context: int | None = DRAFT_CONTEXT,
+                 resync: int | None = RESYNC_CONTEXT) -> None:
         self.engine = engine
         self.target_vocab = target_vocab
         self.context = context  # catch-ups longer than this restart on the last ``context`` tokens
+        # ... and re-entries (see RESYNC_CONTEXT) on the last ``resync`` (at most ``context``)
+        self.resync = None if context is None else min(context, resync or context)
         # per sequence: tokens whose K/V are committed in the draft cache, and where in the
         # sequence's tokens they start (0 unless a restart cut the history: see unseen())
         self._seen: list[list[int]] = [[] for _ in range(getattr(engine, "max_batch", 1))]
         self._base: list[int] = [0] * len(self._seen)
+        self._prompt_len: list[int] = [0] * len(self._seen)
         self.calls = 0
         self.time = 0.0
         # stop drafting once the product of the draft's top probabilities falls below this
@@ -69,8 +83,10 @@ class ModelDrafter:
         # the target's verify call just evicted): the policy prices that call apart, as a cost
         # per drafting step, from the later ones, a cost per drafted token
         self.first_call_share: float | None = None
-        # whether the last proposal caught up a prompt (a sequence's first drafting step: start()
-        # is lazy): prefill work, not what a drafting step costs, so the policies skip that step
+        # whether the last proposal caught up more than a step's tokens: a prompt (a sequence's
+        # first drafting step: start() is lazy) or a re-entry after a stretch without drafting.
+        # That is prefill work, not what a drafting step costs, so the policies skip that step
+        # (learned from, a probe after a K = 0 stretch inflated the draft's scales and kept K at 0)
         self.caught_up_prompt = False
 
     def seen(self, seq: int = 0) -> list[int]:
@@ -87,17 +103,22 @@ class ModelDrafter:
         self.engine.reset(seq)
         self._seen[seq] = []
         self._base[seq] = 0
+        self._prompt_len[seq] = len(prompt)
 
     def unseen(self, tokens: list[int], seq: int = 0) -> list[int]:
         """The tokens the draft must run before it can propose after ``tokens``: those past what
-        its cache holds, or, where that gap exceeds ``context``, the last ``context`` tokens on a
-        fresh draft sequence (positions from 0: the draft sees a shorter history)."""
+        its cache holds, or, where that gap exceeds the limit, the last ``limit`` tokens on a
+        fresh draft sequence (positions from 0: the draft sees a shorter history). The limit is
+        ``context`` when drafting starts with the sequence (its prompt), ``resync`` when the
+        draft re-enters after tokens decoded without it."""
         base, seen = self._base[seq], self._seen[seq]
         todo = tokens[base + len(seen):]
-        if self.context and len(todo) > self.context:
+        re_entry = bool(seen) or len(tokens) - self._prompt_len[seq] > BATCH_CATCH_UP
+        limit = self.resync if re_entry else self.context
+        if limit and len(todo) > max(limit, BATCH_CATCH_UP):
             self.engine.reset(seq)
             self._seen[seq] = []
-            self._base[seq] = len(tokens) - self.context
+            self._base[seq] = len(tokens) - limit
             todo = tokens[self._base[seq]:]
         return todo
 
@@ -136,8 +157,8 @@ class ModelDrafter:
         self.caught_up_prompt = False
         for row in rows:
             todo = self.unseen(row.tokens, row.seq)
-            # a fresh (or restarted, see unseen) sequence: this proposal's first call is prefill
-            self.caught_up_prompt |= not self._seen[row.seq]
+            # a fresh (or restarted, see unseen) sequence or a long gap: its first call is prefill
+            self.caught_up_prompt |= not self._seen[row.seq] or len(todo) > BATCH_CATCH_UP
             if len(rows) > 1 and len(todo) > BATCH_CATCH_UP:
                 self._step(todo[:-1], row.seq)
                 todo = todo[-1:]

@@ -93,13 +93,15 @@ def measure_engine(engine: OrtEngine, sizes: list[int], past: int = 64, reps: in
     """Least-disturbed time of a forward call with ``width`` sequences of S new tokens each
     (S in ``sizes``), every sequence on a ``past``-position cache. ``clock``: wall time by
     default; ``time.process_time`` measures CPU time (single-threaded runs on a shared machine)."""
-    past = min(past, engine.max_len - max(sizes) - 1)
+    sizes = [s for s in sizes if s < engine.max_len] or [1]  # a tiny context: the curve extrapolates
+    past = max(0, min(past, engine.max_len - max(sizes) - 1))
     seqs = list(range(width))
     engine.reset()
     pos = np.arange(past)
     for q in seqs:
-        engine.forward(np.zeros(past, dtype=np.int64), pos, causal_mask(0, pos), q)
-        engine.commit(past, q)
+        if past:
+            engine.forward(np.zeros(past, dtype=np.int64), pos, causal_mask(0, pos), q)
+            engine.commit(past, q)
     calls = []
     for s in sizes:
         pos = np.arange(past, past + s)
@@ -186,6 +188,13 @@ class AdaptivePolicy:
     decay: float = 0.9  # EMA weight of history per verify call
     accept: list[float] = field(default_factory=list)  # a_j estimates, j = 1..k_max
     probe_every: int = 8  # every this many steps, draft 2 more than the optimum to re-estimate
+    # a probe from K = 0 drafts ``probe_k`` tokens for ``probe_steps`` steps in a row: its cost is
+    # mostly the draft's catch-up (RESYNC_CONTEXT tokens of prefill, ~5 target steps on the
+    # Qwen2.5-Coder int4 pair), paid once, so the steps after it are cheap evidence (a lone K = 1
+    # probe tested one position per catch-up, and "auto" never learned that K = 2 paid 1.36x
+    # on code and math while it lost 5-7% to probes on writing)
+    probe_k: int = 2
+    probe_steps: int = 4
     # Off by default: measured on the reference pair, the distilled draft is under-confident
     # (top-1 acceptance 0.83 while its top probability is often < 0.5), so the floor cut drafts
     # short and "auto" ran at 1.28x against 1.75x for the best fixed K.
@@ -214,6 +223,8 @@ class AdaptivePolicy:
     clock: object = time.perf_counter  # the cost model's clock, for observe_step's timings
     _idle: int = 0
     _backoff: int = 1  # probe interval multiplier while K = 0
+    _probing: int = 0  # steps of the current probe still to run (see probe_steps)
+    _paying: int = 0  # consecutive steps whose optimum drafted (K > 0)
     _tested: int = 0  # positions with at least one observation
     _step_times: dict[int, tuple] = field(default_factory=dict)  # per batch width: see _costs_at
     _ks: np.ndarray = field(default_factory=lambda: np.arange(0))
@@ -304,6 +315,8 @@ class AdaptivePolicy:
         """One sequence's verify outcome (every row of a batch reports its own)."""
         if proposed:
             self.update(proposed, accepted)
+            if accepted == 0:
+                self._probing = 0  # a probe that finds nothing stops (see choose)
 
     def choose(self, width: int = 1) -> int:
         """K for the next step of a batch of ``width`` sequences."""
@@ -317,14 +330,28 @@ class AdaptivePolicy:
         # loss, so the interval doubles after every probe that leaves K at 0 (up to 32x) and
         # resets once K > 0 (measured on a pair with 6% acceptance and c = 1: probing every 8th
         # step cost 20% against target-only decoding).
+        # A probe from K = 0 runs probe_steps steps of probe_k (see there), cut short when one of
+        # them accepts nothing (observe). The backoff resets only once drafting has paid for
+        # probe_every steps in a row: estimates carried over from an earlier generation (code,
+        # acceptance 0.9) made a summarization prompt (0.15) draft a few steps, and resetting the
+        # backoff on those steps made it probe every 8-32 steps after (-13%).
         self._idle += 1
+        self._paying = self._paying + 1 if k > 0 else 0
         if k > 0:
-            self._backoff = 1
-        if self._idle >= self.probe_every * width * self._backoff:
+            self._probing = 0
+            if self._paying >= self.probe_every:
+                self._backoff = 1
+        elif self._probing > 0:
+            self._probing -= 1
+            k = min(self.k_max, self.probe_k)
+        elif self._idle >= self.probe_every * width * self._backoff:
             self._idle = 0
-            if k == 0:
-                self._backoff = min(32, self._backoff * 2)
-            k = min(self.k_max, k + 2) if k else 1
+            self._backoff = min(32, self._backoff * 2)
+            self._probing = self.probe_steps - 1
+            k = min(self.k_max, self.probe_k)
+        if k > 0 and self._idle >= self.probe_every * width * self._backoff:
+            self._idle = 0
+            k = min(self.k_max, k + 2)
         self.last_k = k
         return k
 
@@ -440,6 +467,7 @@ class TreePolicy:
     _steps: int = 0
     _idle: int = 0  # steps since the last probe
     _backoff: int = 1  # probe interval multiplier while the plan drafts nothing
+    _paying: int = 0  # consecutive steps whose plan drafted
     _plan: object = None
     _next_search: int = 1
     _search_gap: int = 0
@@ -679,9 +707,11 @@ class TreePolicy:
         # explore as AdaptivePolicy does: every probe_every-th step two levels deeper; while the
         # plan drafts nothing (K = 0) the interval doubles after each probe, up to 32x (measured
         # on the layer-skip pair of scripts/policy_pairs.py: probing every 8th step cost tree
-        # "auto" ~8% against target-only decoding, where chain "auto" backed off)
+        # "auto" ~8% against target-only decoding, where chain "auto" backed off); as there, the
+        # back-off resets only after probe_every drafting steps in a row
         self._idle += 1
-        if tpl.size > 1:
+        self._paying = self._paying + 1 if tpl.size > 1 else 0
+        if self._paying >= self.probe_every:
             self._backoff = 1
         if self._idle >= self.probe_every * self._backoff:
             self._idle = 0

@@ -24,7 +24,7 @@ from typing import Iterator
 
 import numpy as np
 
-from specdec_rt.runtime.drafters import ModelDrafter
+from specdec_rt.runtime.drafters import BATCH_CATCH_UP, ModelDrafter
 from specdec_rt.runtime.engine import NEG_INF, OrtEngine, causal_mask, tree_mask
 from specdec_rt.runtime.sampling import SamplingParams, probabilities, sample
 from specdec_rt.runtime.speculative import LoopConfig, StepClock, clip_new_tokens, prefill
@@ -324,7 +324,8 @@ class TemplateDrafter:
             return ids, top, qs, draws
         t0 = time.perf_counter()
         pending = d.unseen(tokens)
-        self.caught_up_prompt = not d.seen()  # fresh or restarted: the catch-up is prefill
+        # fresh, restarted or a long gap: the catch-up is prefill (ModelDrafter.caught_up_prompt)
+        self.caught_up_prompt = not d.seen() or len(pending) > BATCH_CATCH_UP
         row = d.advance(pending)  # catch up; the root's row
         first = time.perf_counter() - t0
         fill = self._fill_greedy if greedy else self._fill_sampled
