@@ -324,8 +324,9 @@ def test_sampling_config_is_the_default(chat_bundles):
     gen = specdec_rt.load(chat_bundles["llama3"], threads=1)
     d = gen.generation_defaults
     assert (d.do_sample, d.temperature, d.top_k, d.top_p) == (True, 0.6, 50, 0.9)  # top_k: transformers' 50
+    # a fixed K: a seed reproduces sampled tokens only then ("auto" picks K from timings)
     run = lambda **kw: gen.chat(MULTI_TURN, max_new_tokens=10, ignore_eos=True, drafter="prompt_lookup",  # noqa: E731
-                                **kw).token_ids
+                                num_draft_tokens=4, **kw).token_ids
     explicit = [run(temperature=0.6, top_k=50, top_p=0.9, seed=s) for s in range(4)]
     assert [run(seed=s) for s in range(4)] == explicit
     assert len({tuple(x) for x in explicit}) > 1  # it really samples

@@ -24,8 +24,9 @@ def add_generation_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=None, help="0 = off (default: the bundle's)")
     g.add_argument("--top-p", type=float, default=None, help="1 = off (default: the bundle's)")
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--num-draft-tokens", "-k", type=draft_tokens_arg, default=4,
-                   help="draft length K, or 'auto' (cost-model policy)")
+    g.add_argument("--num-draft-tokens", "-k", type=draft_tokens_arg, default="auto",
+                   help="draft length K, or 'auto' (default: the cost-model policy, which decodes "
+                        "target-only where drafting does not pay; pass an integer for seed-reproducible sampling)")
     g.add_argument("--drafter", default="model", choices=["model", "prompt_lookup", "hybrid", "none"],
                    help="'none' = target-only decoding")
     g.add_argument("--speculation", default="chain", choices=["chain", "tree"])

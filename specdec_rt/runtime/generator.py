@@ -334,7 +334,7 @@ class Generator:
     # -- public API -------------------------------------------------------------------------
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float | None = None,
                top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-               num_draft_tokens: int | str = 4, drafter: str | None = "model",
+               num_draft_tokens: int | str = "auto", drafter: str | None = "model",
                speculation: str = "chain", stop: Sequence[str] | str | None = None,
                do_sample: bool | None = None, ignore_eos: bool = False,
                result: GenerationResult | None = None, tree_shape=None,
@@ -385,7 +385,7 @@ class Generator:
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 num_draft_tokens: int | str = 4, drafter: str | None = "model",
+                 num_draft_tokens: int | str = "auto", drafter: str | None = "model",
                  speculation: str = "chain", stop: Sequence[str] | str | None = None,
                  do_sample: bool | None = None, ignore_eos: bool = False,
                  tree_shape=None, overlap: bool | None = None) -> GenerationResult:
@@ -411,7 +411,7 @@ class Generator:
         stats = GenerationStats()
         out: list[int] = []
         args = dict(max_new_tokens=128, temperature=None, top_k=None, top_p=None, seed=None,
-                    num_draft_tokens=4, drafter="model", speculation="chain", do_sample=None,
+                    num_draft_tokens="auto", drafter="model", speculation="chain", do_sample=None,
                     ignore_eos=False, tree_shape=None, overlap=None)
         unknown = sorted(set(kwargs) - set(args))
         if unknown:
@@ -428,7 +428,7 @@ class Generator:
     # -- batches ------------------------------------------------------------------------------
     def stream_batch(self, prompts: Sequence, max_new_tokens: int = 128, *, batch_size: int | None = None,
                      temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                     seed: int | None = None, num_draft_tokens: int | str = 4, drafter: str | None = "model",
+                     seed: int | None = None, num_draft_tokens: int | str = "auto", drafter: str | None = "model",
                      stop: Sequence[str] | str | None = None, do_sample: bool | None = None,
                      ignore_eos: bool = False, overlap: bool | None = None) -> BatchStream:
         """:meth:`generate_batch` as it runs: iterate the returned :class:`BatchStream` for
@@ -488,7 +488,7 @@ class Generator:
     def generate_batch(self, prompts: Sequence, max_new_tokens: int = 128, *, batch_size: int | None = None,
                        temperature: float | None = None, top_k: int | None = None,
                        top_p: float | None = None, seed: int | None = None,
-                       num_draft_tokens: int | str = 4, drafter: str | None = "model",
+                       num_draft_tokens: int | str = "auto", drafter: str | None = "model",
                        stop: Sequence[str] | str | None = None, do_sample: bool | None = None,
                        ignore_eos: bool = False, overlap: bool | None = None) -> list[GenerationResult]:
         """Complete many prompts with up to ``batch_size`` of them decoding at once (default:
@@ -685,8 +685,9 @@ def load(bundle: str | os.PathLike, provider: str = "cpu", draft_provider: str |
     whose workers do not spin (a spinning worker takes the core the draft needs), and so should
     not be combined with ``shared_thread_pool``.
     ``draft_context``: the most tokens the draft model runs to catch up before proposing (default
-    256; None: all of them). A longer gap (a long prompt, or a stretch decoded without drafting)
-    restarts the draft on its last ``draft_context`` tokens: proposals see a shorter history, the
+    64; None: all of them). A longer gap (a long prompt) restarts the draft on its last
+    ``draft_context`` tokens, and a re-entry after a stretch decoded without drafting on its last
+    32 (``RESYNC_CONTEXT``, at most ``draft_context``): proposals see a shorter history, the
     output is unchanged, and the draft's prefill of a long prompt no longer costs more than
     what speculation saves on the answer.
     """

@@ -45,7 +45,7 @@ class ServerConfig:
     """Server-wide settings; the speculative ones are defaults a request may override."""
 
     model_name: str = "specdec"
-    num_draft_tokens: int | str = 4
+    num_draft_tokens: int | str = "auto"
     drafter: str | None = "auto"  # "auto": "model" when the bundle has a draft, else None
     speculation: str = "chain"
     max_queue: int = 64

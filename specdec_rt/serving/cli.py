@@ -78,7 +78,7 @@ def build_parser(prog: str = "specdec-serve") -> argparse.ArgumentParser:
     g.add_argument("--max-context", "--max-length", dest="max_context", type=int, default=None,
                    help="positions to preallocate K/V for (default: the bundle's context, at most 4096)")
     g = ap.add_argument_group("speculation defaults (a request overrides them in its 'specdec' field)")
-    g.add_argument("--num-draft-tokens", type=_k, default=4, help="0..64 or auto (default 4)")
+    g.add_argument("--num-draft-tokens", type=_k, default="auto", help="0..64 or auto (default auto)")
     g.add_argument("--drafter", default="auto", choices=("auto", "model", "prompt_lookup", "none"),
                    help="auto: the draft model when the bundle has one, else none")
     g.add_argument("--speculation", default="chain", choices=("chain", "tree"))
