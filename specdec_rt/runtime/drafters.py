@@ -10,7 +10,7 @@ from specdec_rt.runtime.engine import OrtEngine
 from specdec_rt.runtime.sampling import probabilities, sample
 
 if TYPE_CHECKING:
-    from specdec_rt.runtime.speculative import Row
+    from specdec_rt.runtime.rows import Row
 
 # A catch-up longer than this runs as the sequence's own call before a batched draft step, so a
 # long one does not widen every row of the batch (the first one is the prompt: start() is lazy;

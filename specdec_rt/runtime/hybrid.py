@@ -24,7 +24,7 @@ from specdec_rt.runtime.drafters import ModelDrafter, PromptLookupDrafter
 
 if TYPE_CHECKING:
     from specdec_rt.runtime.policy import AdaptivePolicy
-    from specdec_rt.runtime.speculative import Row
+    from specdec_rt.runtime.rows import Row
 
 LOOKUP, MODEL = "prompt_lookup", "model"
 

@@ -22,8 +22,7 @@ it. Without overlap the same code runs with an empty look-ahead.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Protocol
+from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -33,91 +32,11 @@ from specdec_rt.runtime.engine import OrtEngine
 from specdec_rt.runtime.overlap import VerifyThread, lookahead_length
 from specdec_rt.runtime.sampling import (SamplingParams, accept_chain_greedy, accept_chain_sampled,
                                          probabilities, sample)
+from specdec_rt.runtime.rows import WAIT, DraftLengthPolicy, LoopConfig, Row, RowView, StepClock
 from specdec_rt.runtime.stats import BatchStats, GenerationStats
 
-
-WAIT = object()
-"""A row source (:func:`run_batch`'s ``rows``) may yield ``WAIT``: no row to admit now, ask again
-after the next step (a server's queue that is empty while rows are decoding)."""
-
-
-class DraftLengthPolicy(Protocol):
-    """Chooses K for each step of a batch of ``width`` rows; learns from every row's outcome."""
-
-    def choose(self, width: int) -> int: ...
-
-    def observe(self, proposed: int, accepted: int) -> None: ...
-
-
-@dataclass
-class LoopConfig:
-    max_new_tokens: int
-    params: SamplingParams
-    num_draft_tokens: int = 4
-    eos_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    policy: DraftLengthPolicy | None = None
-
-
-@dataclass
-class Row:
-    """One sequence of a batch: what it was asked, and where it stands.
-
-    ``finished`` is set by the loop ("length", "eos", "context", "error") or by whoever consumes
-    the loop's output ("stop", "cancelled"): the row then leaves the batch before the next step.
-    """
-
-    prompt: list[int]
-    cfg: LoopConfig
-    rng: np.random.Generator
-    stats: GenerationStats
-    index: int = 0  # the caller's name for it (position in the prompt list)
-    seq: int = -1  # its sequence in the engines' caches, while in the batch
-    tokens: list[int] = field(default_factory=list)  # prompt + committed tokens
-    finished: str | None = None
-    error: Exception | None = None
-    clock: StepClock | None = None
-    # drafted past the committed tokens, not verified yet: this step's block and, with overlap,
-    # the look-ahead beyond it; ahead_q: their draft probabilities as blocks of rows [n, V]
-    # (sampled rows of a model drafter; empty for deterministic proposals)
-    ahead: list[int] = field(default_factory=list)
-    ahead_q: list[np.ndarray] = field(default_factory=list)
-
-    @property
-    def generated(self) -> int:
-        return self.stats.new_tokens
-
-    def q_rows(self, n: int) -> np.ndarray | None:
-        """Draft probabilities of the first ``n`` tokens ahead ([n, V]), or None if deterministic."""
-        if not self.ahead_q or n == 0:
-            return None
-        first = self.ahead_q[0]
-        return first[:n] if len(first) >= n else np.concatenate(self.ahead_q)[:n]
-
-    def drop_ahead(self, n: int) -> None:
-        """Forget the first ``n`` tokens ahead (committed now); ``n`` >= len(ahead) clears it."""
-        if n >= len(self.ahead):
-            self.ahead, self.ahead_q = [], []
-            return
-        del self.ahead[:n]
-        while n and self.ahead_q:
-            first = self.ahead_q[0]
-            if len(first) > n:
-                self.ahead_q[0] = first[n:]
-                break
-            n -= len(first)
-            self.ahead_q.pop(0)
-
-
-@dataclass
-class _Beyond:
-    """A row as a drafter sees it when drafting past its committed tokens and the tokens
-    already ahead of them (the drafter reads ``tokens``, ``cfg``, ``rng`` and ``seq``)."""
-
-    tokens: list[int]
-    cfg: LoopConfig
-    rng: np.random.Generator
-    seq: int
+__all__ = ["WAIT", "DraftLengthPolicy", "LoopConfig", "Row", "RowView", "StepClock", "run_batch", "run_chain",
+           "prefill", "clip_new_tokens"]
 
 
 def clip_new_tokens(new: list[int], budget: int, eos: set[int]) -> list[int]:
@@ -155,29 +74,6 @@ def prefill(target: OrtEngine, drafter, prompt: list[int], params: SamplingParam
     return tokens
 
 
-class StepClock:
-    """Decode-time accounting shared by the chain and tree loops (one per row)."""
-
-    def __init__(self, target: OrtEngine, drafter, t_start: float) -> None:
-        self.engines = [e for e in (target, getattr(drafter, "engine", None)) if e is not None]
-        self.t_start = t_start
-        self.model_t0 = self._model_time()
-
-    def _model_time(self) -> float:
-        return sum(e.model_time for e in self.engines)
-
-    def commit(self, stats: GenerationStats, tokens: list[int], new: list[int], drafter, seq: int = 0,
-               ahead: list[int] | None = None) -> None:
-        """Append one step's tokens, let the drafter catch up (keeping what it drafted ``ahead``
-        of them), refresh the stats."""
-        tokens.extend(new)
-        if drafter is not None:
-            drafter.sync(tokens + ahead if ahead else tokens, seq)
-        stats.new_tokens += len(new)
-        stats.time_total = time.perf_counter() - self.t_start
-        stats.time_in_models = self._model_time() - self.model_t0
-
-
 def _admit(target: OrtEngine, drafter: Drafter | None, row: Row) -> list[int]:
     """Prefill a row on its own sequence; returns its first token (the loop's first output)."""
     t_start = time.perf_counter()
@@ -192,7 +88,7 @@ def _admit(target: OrtEngine, drafter: Drafter | None, row: Row) -> list[int]:
 
 def _extend(drafter: Drafter, rows: list[Row], counts: list[int]) -> None:
     """Draft ``counts[i]`` more tokens past ``rows[i]``'s committed and ahead tokens."""
-    views = [r if not r.ahead else _Beyond(r.tokens + r.ahead, r.cfg, r.rng, r.seq) for r in rows]
+    views = [r if not r.ahead else RowView(r.tokens + r.ahead, r.cfg, r.rng, r.seq) for r in rows]
     for r, (d, q) in zip(rows, drafter.propose(views, counts)):
         r.ahead.extend(d)
         if q is not None:
@@ -314,6 +210,57 @@ def _step(target: OrtEngine, drafter: Drafter | None, rows: list[Row], k: int,
     return out
 
 
+class BatchLoop:
+    """Rows decoding together: each joins a free cache sequence (prefilled by its own call), the
+    joined rows step together (one draft -> verify -> accept -> commit for all), finished rows
+    give their sequences back. :func:`run_batch` drives it from a row source; sessions
+    (:class:`~specdec_rt.runtime.batch_session.BatchSession`) drive it step by step.
+
+    K is ``policy.choose(width)`` per step, else ``num_draft_tokens``. ``overlap``: verify on that
+    thread while the draft looks ahead (:mod:`~specdec_rt.runtime.overlap`).
+    """
+
+    def __init__(self, target: OrtEngine, drafter: Drafter | None, max_rows: int = 1, num_draft_tokens: int = 4,
+                 policy: DraftLengthPolicy | None = None, batch_stats: BatchStats | None = None,
+                 overlap: VerifyThread | None = None) -> None:
+        self.target, self.drafter, self.policy, self.overlap = target, drafter, policy, overlap
+        self.num_draft_tokens = num_draft_tokens
+        self.batch_stats = batch_stats
+        self.free = list(range(max_rows - 1, -1, -1))  # cache sequences, lowest first
+        self.active: list[Row] = []
+
+    @property
+    def has_room(self) -> bool:
+        return bool(self.free)
+
+    def admit(self, row: Row) -> list[int]:
+        """Prefill ``row`` on a free sequence; returns its first token ([] with ``row.error`` set
+        when its prompt cannot run, e.g. does not fit)."""
+        row.seq = self.free.pop()
+        try:
+            first = _admit(self.target, self.drafter, row)
+        except (ContextOverflowError, GenerationInputError) as exc:
+            row.error, row.finished, first = exc, "error", []
+        self.active.append(row)
+        return first
+
+    def release(self) -> None:
+        """Finished rows (by the loop, or marked by the consumer) leave and free their sequences."""
+        self.active = _leave(self.active, self.free)
+
+    def step(self) -> list[tuple[Row, list[int]]]:
+        """One batched step of every active row: (row, newly committed ids) per row."""
+        self.release()
+        if not self.active:
+            return []
+        k = self.policy.choose(len(self.active)) if self.policy is not None else self.num_draft_tokens
+        if self.batch_stats is not None:
+            self.batch_stats.steps += 1
+            self.batch_stats.row_steps += len(self.active)
+            self.batch_stats.ks.append(k)
+        return list(zip(self.active, _step(self.target, self.drafter, self.active, k, self.policy, self.overlap)))
+
+
 def run_batch(target: OrtEngine, drafter: Drafter | None, rows: Iterable[Row], max_rows: int = 1,
               num_draft_tokens: int = 4, policy: DraftLengthPolicy | None = None,
               batch_stats: BatchStats | None = None,
@@ -325,53 +272,29 @@ def run_batch(target: OrtEngine, drafter: Drafter | None, rows: Iterable[Row], m
     yields :data:`WAIT` has none now and is asked again after the next step). A row whose prefill
     fails (e.g. its prompt does not fit) gets ``error`` and ``finished="error"`` and the others go
     on. The consumer may set ``row.finished`` (stop string, cancellation) after any yield: the
-    row leaves before the next step. K is ``policy.choose(width)`` per step, else fixed.
-    ``overlap``: verify on that thread while the draft looks ahead (:mod:`~specdec_rt.runtime.overlap`).
+    row leaves before the next step. See :class:`BatchLoop` for K and ``overlap``.
     """
+    loop = BatchLoop(target, drafter, max_rows, num_draft_tokens, policy, batch_stats, overlap)
     waiting = iter(rows)
     exhausted = False
-    free = list(range(max_rows - 1, -1, -1))  # cache sequences, lowest first
-    active: list[Row] = []
     while True:
         # join: waiting rows take free sequences, each prefilled by its own call
-        while free and not exhausted:
+        while loop.has_room and not exhausted:
             row = next(waiting, None)
             if row is None:
                 exhausted = True
                 break
             if row is WAIT:
                 break
-            row.seq = free.pop()
-            try:
-                first = _admit(target, drafter, row)
-            except (ContextOverflowError, GenerationInputError) as exc:
-                row.error, row.finished, first = exc, "error", []
-            active.append(row)
-            yield row, first
-            active = _leave(active, free)
-        active = _leave(active, free)  # finished meanwhile (stop strings, cancellations)
-        if not active:
+            yield row, loop.admit(row)
+            loop.release()
+        loop.release()  # finished meanwhile (stop strings, cancellations)
+        if not loop.active:
             if exhausted:
                 return
             continue
-        # one batched step
-        k = policy.choose(len(active)) if policy is not None else num_draft_tokens
-        if batch_stats is not None:
-            batch_stats.steps += 1
-            batch_stats.row_steps += len(active)
-            batch_stats.ks.append(k)
-        for row, new in zip(active, _step(target, drafter, active, k, policy, overlap)):
-            yield row, new
-        active = _leave(active, free)
-
-
-def _leave(active: list[Row], free: list[int]) -> list[Row]:
-    """Finished rows give their cache sequences back; returns the rows still decoding."""
-    for row in active:
-        if row.finished:
-            free.append(row.seq)
-    free.sort(reverse=True)
-    return [r for r in active if not r.finished]
+        yield from loop.step()
+        loop.release()
 
 
 def run_chain(target: OrtEngine, drafter: Drafter | None, prompt: list[int], cfg: LoopConfig,

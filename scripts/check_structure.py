@@ -1,0 +1,148 @@
+"""Structure rules of the package (issue 20), checked statically:
+
+1. no import circles between specdec_rt modules (every import counts: module level, inside
+   functions, under TYPE_CHECKING);
+2. no module reaches into another's private names: neither ``from m import _name`` nor
+   ``obj._name`` on anything but ``self`` / ``cls`` (a module's own private helpers are fine);
+3. runtime modules stay small (at most ``--max-lines`` lines, default 400).
+
+Usage: python scripts/check_structure.py [--max-lines N] [--report]; exit status 1 on a violation
+(tests/test_structure.py runs it). ``--report`` prints every finding without failing.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "specdec_rt"
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted((ROOT / PACKAGE).rglob("*.py"))}
+
+
+def imported(tree: ast.AST, name: str, known: dict[str, Path]) -> set[str]:
+    """specdec_rt modules ``name`` imports (``from pkg import mod`` counts as importing mod)."""
+    out: set[str] = set()
+    pkg = name if known[name].name == "__init__.py" else name.rsplit(".", 1)[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith(PACKAGE)}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = pkg.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            if not base.startswith(PACKAGE):
+                continue
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                out.add(sub if sub in known else base)
+    return {m for m in out if m in known and m != name}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(10000)
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def private_reaches(tree: ast.AST, name: str) -> list[str]:
+    """``from m import _x`` of another module, and ``obj._x`` where obj is not self/cls."""
+    found = []
+    own = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(PACKAGE):
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__"):
+                    found.append(f"{name}:{node.lineno}: from {node.module} import {a.name}")
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            value = node.value
+            if isinstance(value, ast.Name) and value.id in ("self", "cls"):
+                continue
+            if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "super":
+                continue
+            if isinstance(value, ast.Name) and value.id in own:
+                continue  # a class of this module reaching its own class attribute
+            found.append(f"{name}:{node.lineno}: .{node.attr} on {ast.unparse(value)}")
+    return found
+
+
+def check(max_lines: int) -> dict[str, list[str]]:
+    known = modules()
+    trees = {m: ast.parse(p.read_text(), str(p)) for m, p in known.items()}
+    graph = {m: imported(t, m, known) for m, t in trees.items()}
+    # a package's __init__ re-exporting its modules is not a circle of theirs
+    graph_no_init = {m: {d for d in deps if known[d].name != "__init__.py"} for m, deps in graph.items()}
+    found: dict[str, list[str]] = {"circles": [" <-> ".join(c) for c in circles(graph_no_init)],
+                                   "private": [], "size": []}
+    for m, t in trees.items():
+        found["private"] += private_reaches(t, m)
+        if m.startswith(f"{PACKAGE}.runtime."):
+            n = len(known[m].read_text().splitlines())
+            if n > max_lines:
+                found["size"].append(f"{m}: {n} lines (> {max_lines})")
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max-lines", type=int, default=400)
+    ap.add_argument("--report", action="store_true", help="print every finding, exit 0")
+    args = ap.parse_args(argv)
+    found = check(args.max_lines)
+    bad = 0
+    for kind, items in found.items():
+        for item in items:
+            print(f"{kind}: {item}")
+            bad += 1
+    if not bad:
+        print("structure: no import circles, no private reaches, runtime modules within size")
+    return 0 if args.report or not bad else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
