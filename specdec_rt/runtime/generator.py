@@ -3,97 +3,32 @@
 from __future__ import annotations
 
 import os
-import time
 import warnings
-from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import numpy as np
 
-from specdec_rt.errors import ChatTemplateError, GenerationInputError  # noqa: F401 - re-exported here
+from specdec_rt.errors import ChatTemplateError, ContextOverflowError, GenerationInputError  # noqa: F401 - re-exported here
 from specdec_rt.runtime.bundle import Bundle, BundleError, load_bundle
 from specdec_rt.runtime.chat import NO_TEMPLATE, ChatTemplate
-from specdec_rt.runtime.drafters import DRAFT_CONTEXT, Drafter, ModelDrafter, PromptLookupDrafter
-from specdec_rt.runtime.hybrid import HybridDrafter, HybridPolicy
-from specdec_rt.runtime.engine import (ContextOverflowError, make_engine, probe_batch_invariance,
-                                      probe_row_invariance, shared_pool_in_use)
+from specdec_rt.runtime.batch_session import BatchSession, BatchStream, SessionRow
+from specdec_rt.runtime.drafters import DRAFT_CONTEXT, ModelDrafter
+from specdec_rt.runtime.factory import make_engine
 from specdec_rt.runtime.gen_config import GenerationDefaults
 from specdec_rt.runtime.memory import peak_rss_bytes, reset_peak_rss
 from specdec_rt.runtime.overlap import VerifyThread
-from specdec_rt.runtime.sampling import SamplingParams, SamplingParamsError
-from specdec_rt.runtime.speculative import LoopConfig, Row, run_batch, run_chain
-from specdec_rt.runtime.stats import BatchStats, GenerationStats
-from specdec_rt.runtime.tokenizer import IncrementalDecoder, TextTokenizer
-
-DRAFTERS = ("model", "prompt_lookup", "hybrid")
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    stats: GenerationStats
-    finish_reason: str = "length"  # "length" | "eos" | "stop" | "context" (batches: | "error" | "cancelled")
-    prompt_token_ids: list[int] = field(default_factory=list)
-    error: str | None = None  # batches: why this row failed (finish_reason "error")
-
-    def to_dict(self) -> dict:
-        d = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-             "stats": self.stats.to_dict()}
-        if self.error is not None:
-            d["error"] = self.error
-        return d
-
+from specdec_rt.runtime.planning import SpeculationPlan, plan_speculation
+from specdec_rt.runtime.policy_store import PolicyStore
+from specdec_rt.runtime.requests import DRAFTERS, RowRequest, SpeculationConfig  # noqa: F401 - DRAFTERS re-exported
+from specdec_rt.runtime.probes import probe_batch_invariance, probe_row_invariance
+from specdec_rt.runtime.sampling import SamplingParamsError
+from specdec_rt.runtime.sessions import shared_pool_in_use
+from specdec_rt.runtime.speculative import run_chain
+from specdec_rt.runtime.stats import BatchStats, GenerationStats  # noqa: F401 - BatchStats re-exported
+from specdec_rt.runtime.text_output import GenerationResult, TextAssembler, finish_reason
+from specdec_rt.runtime.tokenizer import TextTokenizer
 
 DEFAULT_CONTEXT = 4096
-
-
-class TextAssembler:
-    """One sequence's text as its tokens are committed: incremental detokenization, with text
-    that may be the start of a stop string withheld until it cannot be.
-
-    ``push`` returns the text that can be emitted now; ``stopped`` turns true when a stop string
-    completed (the text before it has been emitted, the rest is dropped); ``close`` returns what
-    is still held at the end. ``finish``: "length", "eos" or "stop".
-    """
-
-    def __init__(self, tokenizer: TextTokenizer, stops: list[str], eos_ids: Sequence[int]) -> None:
-        self.decoder = IncrementalDecoder(tokenizer)
-        self.stops = stops
-        self.eos_ids = set(eos_ids)
-        self.held = ""  # text withheld because it may be the start of a stop string
-        self.finish = "length"
-        self.stopped = False
-
-    def _cut(self) -> int:
-        return min((self.held.find(s) for s in self.stops if s in self.held), default=-1)
-
-    def push(self, new: list[int]) -> str:
-        piece = self.decoder.push(new)
-        if new and new[-1] in self.eos_ids:
-            self.finish = "eos"
-        if not self.stops:
-            return piece
-        self.held += piece
-        cut = self._cut()
-        if cut >= 0:
-            self.finish, self.stopped = "stop", True
-            return self.held[:cut]
-        keep = max(len(s) for s in self.stops) - 1  # a stop string may still be completing
-        split = max(0, len(self.held) - keep)
-        piece, self.held = self.held[:split], self.held[split:]
-        return piece
-
-    def close(self) -> str:
-        tail = self.decoder.flush()
-        if not self.stops:
-            return tail
-        self.held += tail
-        cut = self._cut()
-        if cut >= 0:
-            self.held, self.finish = self.held[:cut], "stop"
-        held, self.held = self.held, ""
-        return held
 
 
 DEFAULT_MAX_BATCH = 8
@@ -163,6 +98,7 @@ class Generator:
             self.draft_engine = make_engine(bundle.graph_path("draft"), bundle.draft, self.max_length,
                                           draft_provider or provider, draft_threads or threads,
                                           bundle.root, io_binding, shared_thread_pool, self.max_batch)
+        self.policies = PolicyStore(self.target, self.draft_engine, bundle.manifest)  # "auto": kept across generations
         self.vocab_size = bundle.target.vocab_size
         self.eos_token_ids = tuple(bundle.eos_token_ids)
         if probe_rows and hasattr(self.target, "min_rows"):
@@ -179,6 +115,9 @@ class Generator:
                 "which specdec-rt does not apply (it applies temperature, top_k, top_p, do_sample and "
                 "the EOS ids)", stacklevel=3)
 
+    # older scripts set ``gen.measure_clock``: the clock is the policy store's setting now
+    measure_clock = property(lambda self: self.policies.clock, lambda self, c: setattr(self.policies, "clock", c))
+
     @property
     def exact_trees(self) -> bool:
         """Whether tree verification is token-identical to target-only decoding: the target sums
@@ -187,7 +126,9 @@ class Generator:
         return target.get("attention_accumulation") == "fp64"
 
     # -- argument checks ----------------------------------------------------------------------
-    def _prompt_ids(self, prompt: str | Sequence[int] | np.ndarray) -> list[int]:
+    def encode_prompt(self, prompt: str | Sequence[int] | np.ndarray) -> list[int]:
+        """The prompt's token ids as a generation runs them, validated: text is encoded, ids are
+        checked against the vocabulary, and the prompt must leave room in the context."""
         if isinstance(prompt, str):
             if not prompt:
                 raise GenerationInputError("the prompt is empty")
@@ -213,90 +154,31 @@ class Generator:
                    if self.max_length < self.bundle.max_context else ""))
         return ids
 
-    def _drafter(self, drafter: str | None) -> Drafter | None:
-        if drafter is None or drafter == "none":
-            return None
-        if drafter == "model":
-            if self.draft_engine is None:
-                raise GenerationInputError("this bundle has no draft model; use drafter='prompt_lookup' or None")
-            return ModelDrafter(self.draft_engine, self.vocab_size, self.draft_context)
-        if drafter == "prompt_lookup":
-            return PromptLookupDrafter()
-        if drafter == "hybrid":
-            if self.draft_engine is None:
-                raise GenerationInputError("drafter='hybrid' mixes prompt lookup with the draft model, and this "
-                                           "bundle has no draft model; use drafter='prompt_lookup'")
-            return HybridDrafter(ModelDrafter(self.draft_engine, self.vocab_size, self.draft_context))
-        raise GenerationInputError(f"unknown drafter '{drafter}'; choose one of {DRAFTERS} or None")
+    def speculation_plan(self, config: SpeculationConfig, width: int = 1) -> SpeculationPlan:
+        """What a generation of ``width`` sequences with ``config`` runs: drafter, K or policy, and
+        the verify thread when overlapped (the generator's default where ``config.overlap`` is None)."""
+        return plan_speculation(config, width, draft_engine=self.draft_engine, vocab_size=self.vocab_size,
+                                draft_context=self.draft_context, policies=self.policies,
+                                default_overlap=self.overlap, verify_thread=self._shared_verify_thread)
 
-    def _row_config(self, max_new_tokens: int, temperature: float | None, top_k: int | None,
-                    top_p: float | None, do_sample: bool | None, ignore_eos: bool) -> LoopConfig:
-        """One sequence's limits and sampling, validated, bundle defaults applied."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-            raise GenerationInputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        temperature, top_k, top_p = self.generation_defaults.resolve(temperature, top_k, top_p, do_sample)
-        SamplingParams(temperature, top_k, top_p)  # validates before converting
-        params = SamplingParams(float(temperature), int(top_k), float(top_p))
-        return LoopConfig(max_new_tokens=int(max_new_tokens), params=params,
-                          eos_token_ids=self.eos_token_ids, ignore_eos=bool(ignore_eos))
-
-    def _overlap(self, overlap: bool | None, speculation: str) -> VerifyThread | None:
-        """The verify thread for an overlapped generation (``None``: the generator's default)."""
-        if overlap is None:  # the generator's default applies to chains (trees are not overlapped)
-            overlap = self.overlap and speculation == "chain"
-        if not isinstance(overlap, (bool, np.bool_)):
-            raise GenerationInputError(f"overlap must be True, False or None, got {overlap!r}")
-        if not overlap:
-            return None
-        if speculation != "chain":
-            raise GenerationInputError("overlap=True drafts ahead of a chain; it does not apply to "
-                                       "speculation='tree'")
+    def _shared_verify_thread(self) -> VerifyThread:
         if self._verify_thread is None:
             self._verify_thread = VerifyThread()
         return self._verify_thread
 
-    def _speculation(self, num_draft_tokens: int | str, drafter: str | None, speculation: str,
-                     width: int = 1, overlap: bool = False) -> tuple[int, object, Drafter | None]:
-        """(fixed K, adaptive policy or None, drafter) for a generation of ``width`` sequences."""
-        policy = None
-        k = 0
-        if drafter == "hybrid" and overlap:
-            raise GenerationInputError("drafter='hybrid' does not draft ahead: use overlap=False with it")
-        if num_draft_tokens == "auto" and speculation == "chain" and drafter == "hybrid":
-            from specdec_rt.runtime.policy import make_policy
-
-            policy = HybridPolicy(make_policy(self, "prompt_lookup", width, scope="hybrid:"),
-                                  make_policy(self, "model", width, scope="hybrid:"))
-        elif num_draft_tokens == "auto" and speculation == "chain":
-            from specdec_rt.runtime.policy import make_policy
-
-            policy = make_policy(self, drafter, width, overlap)
-        elif num_draft_tokens != "auto":
-            if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, (int, np.integer)) \
-                    or not 0 <= num_draft_tokens <= 64:
-                raise GenerationInputError(f"num_draft_tokens must be 0..64 or 'auto', got {num_draft_tokens!r}")
-            k = int(num_draft_tokens)
-        d = self._drafter(drafter)
-        if isinstance(d, HybridDrafter):
-            d.policy = policy
-        if policy is not None and isinstance(d, ModelDrafter) and policy.use_confidence_stop:
-            d.confidence_floor = policy.confidence_floor()
-        return k, policy, d
-
-    def _loop(self, prompt_ids: list[int], max_new_tokens: int, temperature: float | None,
-              top_k: int | None, top_p: float | None, seed: int | None, num_draft_tokens: int | str,
-              drafter: str | None, speculation: str, do_sample: bool | None, ignore_eos: bool,
-              stats: GenerationStats, tree_shape=None, overlap: bool | None = None) -> Iterator[list[int]]:
-        cfg = self._row_config(max_new_tokens, temperature, top_k, top_p, do_sample, ignore_eos)
-        verify_thread = self._overlap(overlap, speculation)
-        cfg.num_draft_tokens, cfg.policy, d = self._speculation(num_draft_tokens, drafter, speculation,
-                                                                overlap=verify_thread is not None)
-        stats.overlap = verify_thread is not None and d is not None
+    def _loop(self, prompt_ids: list[int], request: RowRequest, config: SpeculationConfig,
+              stats: GenerationStats) -> Iterator[list[int]]:
+        """One sequence's committed tokens, step by step (chain or tree)."""
+        cfg = request.loop_config(self.generation_defaults, self.eos_token_ids)
+        plan = self.speculation_plan(config)
+        cfg.num_draft_tokens, cfg.policy, d, verify_thread = plan.k, plan.policy, plan.drafter, plan.verify_thread
+        num_draft_tokens, speculation, tree_shape = config.num_draft_tokens, config.speculation, config.tree_shape
+        stats.overlap = plan.overlapped
         stats.prompt_tokens = len(prompt_ids)
         stats.drafter = None if d is None else d.name
         stats.speculation = speculation
         stats.num_draft_tokens = num_draft_tokens
-        rng = np.random.default_rng(seed)
+        rng = np.random.default_rng(request.seed)
         if speculation == "chain":
             inner = run_chain(self.target, d, prompt_ids, cfg, rng, stats, verify_thread)
         elif speculation == "tree":
@@ -311,18 +193,14 @@ class Generator:
                     "target-only decoding; use speculation='chain' or re-export with --target-attention fp64")
             if isinstance(tree_shape, Template):
                 inner = run_tree(self.target, d, prompt_ids, cfg, rng, stats, policy=FixedTemplate(tree_shape))
-            elif num_draft_tokens == "auto" and tree_shape is None:
+            elif config.auto and tree_shape is None:
                 # the shape policy: budget, depth and width per step from the cost model and
                 # the running acceptance estimates (a chain where branches do not pay)
-                from specdec_rt.runtime.policy import make_tree_policy
-
-                inner = run_tree(self.target, d, prompt_ids, cfg, rng, stats, policy=make_tree_policy(self))
+                inner = run_tree(self.target, d, prompt_ids, cfg, rng, stats, policy=self.policies.tree())
             else:
-                budget = 15 if num_draft_tokens == "auto" else max(1, int(num_draft_tokens))
+                budget = 15 if config.auto else max(1, int(num_draft_tokens))
                 shape = tree_shape or TreeShape.for_budget(budget)
                 inner = run_tree(self.target, d, prompt_ids, cfg, rng, stats, shape)
-        else:
-            raise GenerationInputError(f"speculation must be 'chain' or 'tree', not {speculation!r}")
         reset_peak_rss()
         try:
             yield from inner
@@ -355,15 +233,14 @@ class Generator:
         (``load(..., overlap=...)``, which also sets the thread pools up for it). Output is the
         same as without (greedy: token for token; sampled: the same distribution).
         """
-        prompt_ids = self._prompt_ids(prompt)
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        prompt_ids = self.encode_prompt(prompt)
+        request = RowRequest(prompt_ids, max_new_tokens, temperature, top_k, top_p, do_sample, seed, stop, ignore_eos)
+        config = SpeculationConfig(num_draft_tokens, drafter, speculation, overlap, tree_shape)
         stats = GenerationStats()
         res = result if result is not None else GenerationResult("", [], stats)
         res.stats, res.prompt_token_ids, res.token_ids, res.text = stats, prompt_ids, [], ""
-        text = TextAssembler(self.tokenizer, stops, () if ignore_eos else self.eos_token_ids)
-        for new in self._loop(prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
-                              num_draft_tokens, drafter, speculation, do_sample, ignore_eos, stats,
-                              tree_shape, overlap):
+        text = TextAssembler(self.tokenizer, request.stops, () if ignore_eos else self.eos_token_ids)
+        for new in self._loop(prompt_ids, request, config, stats):
             res.token_ids.extend(new)
             piece = text.push(new)
             if piece or every_step:
@@ -376,12 +253,7 @@ class Generator:
             if tail:
                 res.text += tail
                 yield tail
-        res.finish_reason = self._finish_reason(text, len(prompt_ids), len(res.token_ids), max_new_tokens)
-
-    def _finish_reason(self, text: TextAssembler, prompt_len: int, generated: int, max_new_tokens: int) -> str:
-        if text.finish == "length" and prompt_len + generated >= self.max_length and generated < max_new_tokens:
-            return "context"
-        return text.finish
+        res.finish_reason = finish_reason(text, len(prompt_ids), len(res.token_ids), max_new_tokens, self.max_length)
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
@@ -417,10 +289,11 @@ class Generator:
         if unknown:
             raise TypeError(f"generate_ids() got unexpected keyword argument(s): {', '.join(unknown)}")
         args.update(kwargs)
-        for new in self._loop(self._prompt_ids(prompt_ids), args["max_new_tokens"], args["temperature"],
-                              args["top_k"], args["top_p"], args["seed"], args["num_draft_tokens"],
-                              args["drafter"], args["speculation"], args["do_sample"], args["ignore_eos"], stats,
-                              args["tree_shape"], args["overlap"]):
+        ids = self.encode_prompt(prompt_ids)
+        request = RowRequest(ids, **{key: args[key] for key in RowRequest.FIELDS if key != "stop"})
+        config = SpeculationConfig(args["num_draft_tokens"], args["drafter"], args["speculation"], args["overlap"],
+                                   args["tree_shape"])
+        for new in self._loop(ids, request, config, stats):
             out.extend(new)
         self.last_stats = stats
         return out
@@ -445,19 +318,12 @@ class Generator:
             raise GenerationInputError(
                 f"batch_size {width} exceeds this generator's maximum of {self.max_batch} sequences "
                 f"(load(..., max_batch={width}) on the CPU provider; GPU providers run one at a time)")
-        verify_thread = self._overlap(overlap, "chain")
-        k, policy, d = self._speculation(num_draft_tokens, drafter, "chain", width, verify_thread is not None)
+        session = BatchSession(self, SpeculationConfig(num_draft_tokens, drafter, "chain", overlap), width)
         defaults = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                         seed=seed, stop=stop, do_sample=do_sample, ignore_eos=ignore_eos)
-        rows: list[Row | None] = []
+        rows: list[SessionRow | None] = []
         results: list[GenerationResult] = []
-        texts: list[TextAssembler | None] = []
         for i, item in enumerate(prompts):
-            stats = GenerationStats(drafter=None if d is None else d.name, speculation="chain",
-                                    num_draft_tokens=num_draft_tokens,
-                                    overlap=verify_thread is not None and d is not None)
-            res = GenerationResult("", [], stats)
-            results.append(res)
             try:
                 opts = dict(defaults)
                 if isinstance(item, dict):
@@ -468,22 +334,18 @@ class Generator:
                             + (f"; unknown: {', '.join(unknown)}" if unknown else ""))
                     opts.update((key, v) for key, v in item.items() if key != "prompt")
                     item = item["prompt"]
-                ids = self._prompt_ids(item)
-                cfg = self._row_config(opts["max_new_tokens"], opts["temperature"], opts["top_k"],
-                                       opts["top_p"], opts["do_sample"], opts["ignore_eos"])
+                srow = session.prepare(RowRequest(item, **opts), i)
             except (GenerationInputError, ContextOverflowError, SamplingParamsError) as exc:
-                res.error, res.finish_reason = f"{type(exc).__name__}: {exc}", "error"
+                p = session.plan
+                stats = GenerationStats(drafter=None if p.drafter is None else p.drafter.name, speculation="chain",
+                                        num_draft_tokens=num_draft_tokens, overlap=p.overlapped)
+                res = GenerationResult("", [], stats, finish_reason="error", error=f"{type(exc).__name__}: {exc}")
+                results.append(res)
                 rows.append(None)
-                texts.append(None)
                 continue
-            stats.prompt_tokens = len(ids)
-            res.prompt_token_ids = ids
-            cfg.num_draft_tokens = k
-            rows.append(Row(ids, cfg, np.random.default_rng(opts["seed"]), stats, index=i))
-            stops = opts["stop"]
-            stops = [stops] if isinstance(stops, str) else list(stops or [])
-            texts.append(TextAssembler(self.tokenizer, stops, () if cfg.ignore_eos else self.eos_token_ids))
-        return BatchStream(self, rows, results, texts, width, k, policy, d, verify_thread)
+            results.append(srow.result)
+            rows.append(srow)
+        return BatchStream(session, rows, results)
 
     def generate_batch(self, prompts: Sequence, max_new_tokens: int = 128, *, batch_size: int | None = None,
                        temperature: float | None = None, top_k: int | None = None,
@@ -570,88 +432,6 @@ class Generator:
         return self.generate(ids, max_new_tokens, **kwargs)
 
 
-class BatchStream:
-    """A running batch (:meth:`Generator.stream_batch`). Iterating yields ``(index, text piece)``
-    as rows commit tokens; ``results[index]`` fills in meanwhile (final once the row is done);
-    ``cancel(index)`` ends one row (``finish_reason="cancelled"``) without changing any other
-    row's tokens; ``stats`` holds the batch's totals."""
-
-    def __init__(self, gen: Generator, rows: list[Row | None], results: list[GenerationResult],
-                 texts: list[TextAssembler | None], width: int, k: int, policy, drafter: Drafter | None,
-                 verify_thread: VerifyThread | None = None) -> None:
-        self.gen = gen
-        self.rows = rows
-        self.results = results
-        self.texts = texts
-        self.stats = BatchStats(prompts=len(rows), max_rows=width)
-        self.stats.errors = sum(r is None for r in rows)
-        self._closed = [r is None for r in rows]
-        self._verify_thread = verify_thread
-        self._events = self._run(width, k, policy, drafter)
-
-    def __iter__(self) -> BatchStream:
-        return self
-
-    def __next__(self) -> tuple[int, str]:
-        return next(self._events)
-
-    def cancel(self, index: int) -> None:
-        """End row ``index`` now (its text so far stays); a row not started yet never starts."""
-        row = self.rows[index]
-        if row is None or self._closed[index]:
-            return
-        row.finished = "cancelled"
-        self._close(row)
-
-    def _close(self, row: Row) -> str:
-        """Final text and finish reason of a row that finished; returns text still to emit."""
-        if self._closed[row.index]:
-            return ""
-        self._closed[row.index] = True
-        res, text = self.results[row.index], self.texts[row.index]
-        if row.error is not None:
-            res.error, res.finish_reason = f"{type(row.error).__name__}: {row.error}", "error"
-            self.stats.errors += 1
-            return ""
-        tail = "" if text.stopped else text.close()
-        res.text += tail
-        if row.finished == "cancelled":
-            res.finish_reason = "cancelled"
-        else:
-            res.finish_reason = self.gen._finish_reason(text, len(row.prompt), len(res.token_ids),
-                                                        row.cfg.max_new_tokens)
-        row.stats.peak_rss_bytes = peak_rss_bytes()
-        return tail
-
-    def _run(self, width: int, k: int, policy, drafter: Drafter | None) -> Iterator[tuple[int, str]]:
-        gen, stats = self.gen, self.stats
-        t0 = time.perf_counter()
-        reset_peak_rss()
-        queue = (r for r in self.rows if r is not None and not r.finished)
-        try:
-            for row, new in run_batch(gen.target, drafter, queue, width, k, policy, stats, self._verify_thread):
-                i = row.index
-                if self._closed[i]:
-                    continue
-                self.results[i].token_ids.extend(new)
-                stats.new_tokens += len(new)
-                text = self.texts[i]
-                piece = text.push(new) if new else ""
-                if piece:
-                    self.results[i].text += piece
-                    yield i, piece
-                if text.stopped and not row.finished:
-                    row.finished = "stop"
-                if row.finished:
-                    tail = self._close(row)
-                    if tail:
-                        yield i, tail
-        finally:
-            stats.time_total = time.perf_counter() - t0
-            stats.peak_rss_bytes = peak_rss_bytes()
-            gen.last_batch_stats = stats
-
-
 def load(bundle: str | os.PathLike, provider: str = "cpu", draft_provider: str | None = None,
          threads: int | None = None, max_length: int | None = None,
          verify_checksums: bool = True, io_binding: bool | None = None,
@@ -675,9 +455,9 @@ def load(bundle: str | os.PathLike, provider: str = "cpu", draft_provider: str |
     ``probe_rows``: measure at load whether the target computes a token's logits bit for bit
     alike in a one-row call and in a verify call, and pad one-row calls to two rows where it
     does not (int4 MatMulNBits on CPU): what keeps greedy speculation token-identical to
-    target-only decoding (:func:`specdec_rt.runtime.engine.probe_row_invariance`), and whether a
+    target-only decoding (:func:`specdec_rt.runtime.probes.probe_row_invariance`), and whether a
     sequence's logits are the same in a batched call as alone (if not, batches run one sequence
-    per call: :func:`specdec_rt.runtime.engine.probe_batch_invariance`).
+    per call: :func:`specdec_rt.runtime.probes.probe_batch_invariance`).
     ``max_batch``: sequences :meth:`Generator.generate_batch` may run at once (default 8 on the
     CPU provider, 1 on GPU providers, where batched calls are not implemented yet).
     ``overlap``: the default of every generation's ``overlap`` (draft the next block while the

@@ -29,7 +29,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from specdec_rt.errors import USER_ERRORS
 
@@ -80,7 +80,9 @@ class Job:
         self._cancel = threading.Event()
         self._finished = False  # the worker (or the queue) has posted the terminal event
         self.deadline = None if self.spec.timeout is None else self.arrival + self.spec.timeout
-        self._on_cancel = None  # set by the scheduler: removes a waiting job from its queue
+        # set by the scheduler that queues the job: called as on_cancel(job, reason) on cancel (it
+        # removes a waiting job from its queue)
+        self.on_cancel: Callable[[Job, str], None] | None = None
         self.cancel_reason: str | None = None
 
     def timed_out(self, now: float) -> bool:
@@ -122,8 +124,8 @@ class Job:
             return
         self.cancel_reason = reason
         self._cancel.set()
-        if self._on_cancel is not None:
-            self._on_cancel(self, reason)
+        if self.on_cancel is not None:
+            self.on_cancel(self, reason)
 
     async def events(self) -> AsyncIterator[Event]:
         """Events until the terminal one (included). A passed deadline yields a 504 error event
@@ -195,7 +197,7 @@ class SerialScheduler:
             if len(self._waiting) >= self.max_queue and self.running + len(self._waiting) >= self.capacity:
                 raise QueueFull(f"the server is at capacity ({self.capacity} running, {len(self._waiting)} "
                                 f"waiting, queue limit {self.max_queue}); retry later")
-            job._on_cancel = self._drop
+            job.on_cancel = self._drop
             self._waiting.append(job)
             self._cond.notify()
         return job
@@ -318,18 +320,17 @@ GROUP_DEFAULTS = {"num_draft_tokens": "auto", "drafter": "model", "speculation":
 @dataclass
 class _RowState:
     job: Job
-    row: Any
-    result: Any
-    text: Any
-    last: float
+    result: Any  # GenerationResult
+    srow: Any = None  # the job's SessionRow once prepared
+    last: float = 0.0
     closed: bool = False
 
 
 class BatchScheduler(SerialScheduler):
     """Continuous batching: the running requests are the rows of one batched generation.
 
-    One worker thread runs :func:`~specdec_rt.runtime.speculative.run_batch` over a row source fed
-    by the queue: between two steps, waiting requests take free rows (up to ``max_batch``; their
+    One worker thread runs a :class:`~specdec_rt.runtime.batch_session.BatchSession` over a row
+    source fed by the queue: between two steps, waiting requests take free rows (up to ``max_batch``; their
     prefill runs as their own calls), and finished, cancelled or timed-out rows leave. Every row
     keeps its own sampling parameters, seed, stop strings and max_tokens; greedy rows (and sampled
     rows with a fixed K) produce what a request alone produces.
@@ -352,7 +353,6 @@ class BatchScheduler(SerialScheduler):
         self.max_batch = max_batch
         self.step_delay = step_delay
         self._rows: dict[Job, _RowState | None] = {}
-        self._groups: dict[tuple, tuple] = {}  # settings -> (k, policy, drafter), kept across batches
         self._next_index = 0
 
     @property
@@ -388,14 +388,16 @@ class BatchScheduler(SerialScheduler):
             return super()._take()
         return lambda: self._run_group(key)
 
-    def _group(self, key: tuple) -> tuple:
-        if key not in self._groups:
-            self._groups[key] = self.generator._speculation(key[0], key[1], "chain", self.max_batch,
-                                                            self.generator.overlap)
-        return self._groups[key]
+    def _session(self, key: tuple):
+        """A batch session for these settings (the policies behind "auto" live in the generator,
+        so what they learned carries over from one batch to the next)."""
+        from specdec_rt.runtime.batch_session import BatchSession
+        from specdec_rt.runtime.requests import SpeculationConfig
 
-    def _source(self, key: tuple, states: dict):
-        from specdec_rt.runtime.speculative import WAIT
+        return BatchSession(self.generator, SpeculationConfig(key[0], key[1], "chain"), self.max_batch)
+
+    def _source(self, key: tuple, states: dict, session):
+        from specdec_rt.runtime.rows import WAIT
 
         while True:
             with self._cond:
@@ -413,50 +415,36 @@ class BatchScheduler(SerialScheduler):
             if job is None:
                 yield WAIT
                 continue
-            row = self._admit(job, states, key)
-            if row is not None:
-                yield row
+            srow = self._admit(job, states, session)
+            if srow is not None:
+                yield srow
 
-    def _admit(self, job: Job, states: dict, key: tuple):
-        """A popped job as a row, or None when it ended before starting (posted)."""
-        import numpy as np
+    def _admit(self, job: Job, states: dict, session):
+        """A popped job as a session row, or None when it ended before starting (posted)."""
+        from specdec_rt.runtime.generator import GenerationResult, GenerationStats
+        from specdec_rt.runtime.requests import RowRequest
 
-        from specdec_rt.runtime.generator import GenerationResult, GenerationStats, TextAssembler
-        from specdec_rt.runtime.speculative import Row
-
-        gen, metrics = self.generator, self.metrics
+        metrics = self.metrics
         job.started = time.monotonic()
-        result = GenerationResult("", [], GenerationStats())
         outcome = job.outcome_before_start(job.started)
         if outcome is None:
             if metrics is not None:
                 metrics.queue_time(job.started - job.arrival)
             kw = job.spec.kwargs
+            self._next_index += 1
             try:
-                ids = gen._prompt_ids(job.spec.prompt_ids)
-                cfg = gen._row_config(kw.get("max_new_tokens", 128), kw.get("temperature"), kw.get("top_k"),
-                                      kw.get("top_p"), kw.get("do_sample"), kw.get("ignore_eos", False))
+                request = RowRequest(job.spec.prompt_ids, **{k: v for k, v in kw.items() if k in ROW_KWARGS})
+                srow = session.prepare(request, self._next_index)
             except USER_ERRORS as exc:
                 outcome = Event("error", status=400, message=str(exc), code="invalid_request")
         if outcome is not None:
-            self._end(_RowState(job, None, result, None, job.started), outcome)
+            self._end(_RowState(job, GenerationResult("", [], GenerationStats()), last=job.started), outcome)
             return None
-        k, _policy, d = self._group(key)
-        stats = result.stats
-        stats.drafter, stats.speculation, stats.num_draft_tokens = (None if d is None else d.name), "chain", key[0]
-        stats.prompt_tokens = len(ids)
-        result.prompt_token_ids = ids
-        cfg.num_draft_tokens = k
-        self._next_index += 1
-        row = Row(ids, cfg, np.random.default_rng(kw.get("seed")), stats, index=self._next_index)
-        stops = kw.get("stop")
-        stops = [stops] if isinstance(stops, str) else list(stops or [])
-        text = TextAssembler(gen.tokenizer, stops, () if cfg.ignore_eos else gen.eos_token_ids)
-        st = _RowState(job, row, result, text, job.started)
-        states[row.index] = st
+        st = _RowState(job, srow.result, srow, job.started)
+        states[srow.index] = st
         with self._cond:
             self._rows[job] = st
-        return row
+        return srow
 
     def _end(self, st: _RowState, outcome: Event) -> None:
         st.closed = True
@@ -467,11 +455,9 @@ class BatchScheduler(SerialScheduler):
         st.job.post(outcome)
 
     def _run_group(self, key: tuple) -> None:
-        from specdec_rt.runtime.speculative import run_batch
-
-        gen, metrics = self.generator, self.metrics
+        metrics = self.metrics
         try:
-            k, policy, d = self._group(key)
+            session = self._session(key)
         except USER_ERRORS as exc:  # e.g. drafter "model" without a draft model: refuse the head
             with self._cond:
                 head = self._waiting[0] if self._waiting else None
@@ -480,26 +466,25 @@ class BatchScheduler(SerialScheduler):
             if job is not None:
                 from specdec_rt.runtime.generator import GenerationResult, GenerationStats
 
-                self._end(_RowState(job, None, GenerationResult("", [], GenerationStats()), None, 0.0),
+                self._end(_RowState(job, GenerationResult("", [], GenerationStats())),
                           Event("error", status=400, message=str(exc), code="invalid_request"))
             return
         states: dict[int, _RowState] = {}
         try:
-            overlap = gen._overlap(None, "chain")  # the generator's default (specdec-serve --overlap)
-            for row, new in run_batch(gen.target, d, self._source(key, states), self.max_batch, k, policy,
-                                      overlap=overlap):
-                st = states.get(row.index)
+            for update in session.run(self._source(key, states, session)):
+                st = states.get(update.index)
                 if st is None or st.closed:
                     continue
-                job, res, text = st.job, st.result, st.text
-                if row.error is not None:
-                    self._end(st, Event("error", status=400, message=str(row.error), code="invalid_request"))
-                    del states[row.index]
+                job, res = st.job, st.result
+                error = st.srow.row.error
+                if error is not None:  # its prefill failed (e.g. the prompt does not fit)
+                    self._end(st, Event("error", status=400, message=str(error), code="invalid_request"))
+                    del states[update.index]
                     continue
                 if self.step_delay:
                     time.sleep(self.step_delay)
                 now = time.monotonic()
-                res.token_ids.extend(new)
+                new = update.tokens
                 if job.first_token is None:
                     job.first_token = now
                     if metrics is not None:
@@ -507,28 +492,18 @@ class BatchScheduler(SerialScheduler):
                 elif new and metrics is not None:
                     metrics.inter_token((now - st.last) / len(new), len(new))
                 st.last = now
-                piece = text.push(new) if new else ""
-                res.text += piece
-                job.post(Event("piece", text=piece, tokens=len(new)))
-                if text.stopped and not row.finished:
-                    row.finished = "stop"
+                job.post(Event("piece", text=update.piece, tokens=len(new)))
                 outcome = None
-                if row.finished:
-                    tail = "" if text.stopped else text.close()
-                    if tail:
-                        res.text += tail
-                        job.post(Event("piece", text=tail, tokens=0))
-                    res.finish_reason = gen._finish_reason(text, len(row.prompt), len(res.token_ids),
-                                                           row.cfg.max_new_tokens)
+                if update.finished:
                     outcome = Event("done", result=res)
                 elif job.timed_out(now):
                     outcome = deadline_error(job)
                 elif job.cancelled:
                     outcome = job.cancelled_outcome()
                 if outcome is not None:
-                    row.finished = row.finished or "cancelled"  # leaves before the next step
+                    session.cancel(update.index)  # leaves before the next step (no-op when finished)
                     self._end(st, outcome)
-                    del states[row.index]  # a batch under steady load never ends: forget its rows
+                    del states[update.index]  # a batch under steady load never ends: forget its rows
         except Exception as exc:  # noqa: BLE001 - report to every row of the batch, keep serving
             log.error("batched generation failed:\n%s", traceback.format_exc())
             for st in list(states.values()):

@@ -1,0 +1,70 @@
+"""From a validated :class:`~specdec_rt.runtime.requests.SpeculationConfig` to what the loop runs:
+the drafter, a fixed K or the policy that picks K per step, and the verify thread of an
+overlapped run (:class:`SpeculationPlan`). The single-sequence API, batch sessions and the
+server all plan through :func:`plan_speculation`, so a setting means the same everywhere."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from specdec_rt.errors import GenerationInputError
+from specdec_rt.runtime.drafters import Drafter, ModelDrafter, PromptLookupDrafter
+from specdec_rt.runtime.hybrid import HybridDrafter, HybridPolicy
+from specdec_rt.runtime.overlap import VerifyThread
+from specdec_rt.runtime.policy_store import PolicyStore
+from specdec_rt.runtime.requests import SpeculationConfig
+
+
+@dataclass
+class SpeculationPlan:
+    """What a generation runs: ``k`` (fixed K; 0 with a policy), ``policy`` (picks K per step for
+    "auto" chains; None otherwise), ``drafter`` (None: target-only) and ``verify_thread`` (the
+    worker an overlapped run verifies on; None: sequential)."""
+
+    k: int
+    policy: object | None
+    drafter: Drafter | None
+    verify_thread: VerifyThread | None = None
+
+    @property
+    def overlapped(self) -> bool:
+        return self.verify_thread is not None and self.drafter is not None
+
+
+def make_drafter(name: str | None, draft_engine, vocab_size: int, draft_context: int | None) -> Drafter | None:
+    """The drafter called ``name`` ("model", "prompt_lookup", "hybrid"; None: target-only)."""
+    if name is None:
+        return None
+    if name == "prompt_lookup":
+        return PromptLookupDrafter()
+    if draft_engine is None:
+        if name == "hybrid":
+            raise GenerationInputError("drafter='hybrid' mixes prompt lookup with the draft model, and this "
+                                       "bundle has no draft model; use drafter='prompt_lookup'")
+        raise GenerationInputError("this bundle has no draft model; use drafter='prompt_lookup' or None")
+    model = ModelDrafter(draft_engine, vocab_size, draft_context)
+    return HybridDrafter(model) if name == "hybrid" else model
+
+
+def plan_speculation(config: SpeculationConfig, width: int, *, draft_engine, vocab_size: int,
+                     draft_context: int | None, policies: PolicyStore, default_overlap: bool,
+                     verify_thread: Callable[[], VerifyThread]) -> SpeculationPlan:
+    """Resolve ``config`` for a generation of ``width`` sequences. ``default_overlap``: the
+    generator's setting where ``config.overlap`` is None (chains only); ``verify_thread``: gives
+    the generator's (one, reused) verify worker."""
+    overlap = config.overlap if config.overlap is not None else default_overlap and config.speculation == "chain"
+    if overlap and config.drafter == "hybrid":
+        raise GenerationInputError("drafter='hybrid' does not draft ahead: use overlap=False with it")
+    drafter = make_drafter(config.drafter, draft_engine, vocab_size, draft_context)
+    k, policy = 0, None
+    if not config.auto:
+        k = int(config.num_draft_tokens)
+    elif config.speculation == "chain" and drafter is not None:
+        if isinstance(drafter, HybridDrafter):
+            policy = drafter.policy = HybridPolicy(policies.chain("prompt_lookup", width, scope="hybrid:"),
+                                                   policies.chain("model", width, scope="hybrid:"))
+        else:
+            policy = policies.chain(config.drafter, width, overlap)
+            if isinstance(drafter, ModelDrafter) and policy.use_confidence_stop:
+                drafter.confidence_floor = policy.confidence_floor()
+    return SpeculationPlan(k, policy, drafter, verify_thread() if overlap else None)
