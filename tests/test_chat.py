@@ -470,18 +470,19 @@ def test_chat_runtime_never_imports_torch_or_export(chat_bundles):
 
 
 def test_server_uses_bundle_defaults(chat_bundles):
+    """POST /generate (specdec-serve) fills the sampling fields a body leaves out from the bundle's
+    generation_config defaults."""
     import http.client
-    import threading
 
+    pytest.importorskip("starlette")
     import specdec_rt
-    from specdec_rt.server import make_server
+    from test_serving import serve
 
-    srv = make_server(str(chat_bundles["llama3"]), port=0, threads=1)
-    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
+    with serve(chat_bundles["llama3"]) as (url, _app):
+        host, port = url[len("http://"):].split(":")
+
         def post(body):
-            conn = http.client.HTTPConnection(*srv.server_address[:2], timeout=60)
+            conn = http.client.HTTPConnection(host, int(port), timeout=60)
             conn.request("POST", "/generate", body=json.dumps(body), headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
             out = json.loads(resp.read())
@@ -494,7 +495,3 @@ def test_server_uses_bundle_defaults(chat_bundles):
         assert post({"prompt": "def f(x):", **kw}) == gen.generate("def f(x):", drafter=None, **kw).token_ids
         assert post({"prompt": "def f(x):", "do_sample": False, **kw}) == \
             gen.generate("def f(x):", drafter=None, temperature=0, **kw).token_ids
-    finally:
-        srv.shutdown()
-        srv.server_close()
-        thread.join(timeout=10)

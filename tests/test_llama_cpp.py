@@ -322,7 +322,7 @@ def test_spec_bench_systems_share_the_plain_decode(fake_tools, tmp_path):
     tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens=True: [ord(c) for c in text])
     gen = SimpleNamespace(bundle=SimpleNamespace(manifest=manifest), max_length=256, tokenizer=tokenizer)
     cfg = SpecBenchConfig(bundle="b", questions="q", peer_ks=[3], threads=1)
-    systems = L.spec_bench_systems(cfg, gen)
+    systems = LP.spec_bench_systems(cfg, gen)
     assert [s.name for s in systems] == ["llama.cpp target-only", "llama.cpp spec K=3", "llama.cpp lookup K=3"]
     assert [s.is_base for s in systems] == [True, False, False] and {s.family for s in systems} == {"llama.cpp"}
     q = Question(1, "writing", "hi")

@@ -1,38 +1,25 @@
-"""The deprecated /generate route on loopback, in the stdlib server (``python -m specdec_rt.server``) and
-in the new app (``specdec-serve``): health, generate == library output, streaming, 400s."""
+"""The deprecated ``POST /generate`` route (the removed stdlib server's body and answers) in the
+serving app (``specdec-serve``) on loopback: health, generate == library output, streaming, 400s."""
 from __future__ import annotations
 
 import http.client
 import json
-import threading
 
 import pytest
+
+pytest.importorskip("starlette")
 
 TIMEOUT = 60
 
 
-@pytest.fixture(scope="module", params=["stdlib", "asgi"])
-def server(request, tiny_pair):
-    """(host, port) of a server with /generate."""
-    if request.param == "asgi":
-        pytest.importorskip("starlette")
-        from test_serving import serve
+@pytest.fixture(scope="module")
+def server(tiny_pair):
+    """(host, port) of the serving app with /generate (uvicorn in a thread)."""
+    from test_serving import serve
 
-        with serve(tiny_pair["bundle"]) as (url, app):
-            host, port = url[len("http://"):].split(":")
-            yield host, int(port)
-        return
-    from specdec_rt.server import make_server
-
-    srv = make_server(str(tiny_pair["bundle"]), host="127.0.0.1", port=0, threads=1)
-    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        yield srv.server_address[:2]
-    finally:
-        srv.shutdown()
-        srv.server_close()
-        thread.join(timeout=10)
+    with serve(tiny_pair["bundle"]) as (url, app):
+        host, port = url[len("http://"):].split(":")
+        yield host, int(port)
 
 
 def _request(srv, method: str, path: str, body: dict | bytes | None = None):

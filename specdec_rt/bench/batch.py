@@ -51,7 +51,7 @@ def _configs(cfg: BatchBenchConfig, has_draft: bool) -> list[tuple[str, str | No
 
 def run_batch_bench(cfg: BatchBenchConfig) -> dict:
     import specdec_rt
-    from specdec_rt.bench.runner import machine_description
+    from specdec_rt.bench.common import machine_description
 
     from specdec_rt.errors import GenerationInputError
 

@@ -28,12 +28,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from specdec_rt.bench.peers import PeerUnavailable
+from specdec_rt.bench.common import PeerUnavailable
 from specdec_rt.errors import BackendUnavailableError
 
 __all__ = ["ENV_VAR", "BUILD_SCRIPT", "TOOLS", "LlamaCppUnavailable", "LlamaCppError", "LlamaRun",
            "find_tool", "find_tools", "parse_timings", "parse_generated", "parse_bench_json",
-           "run_config", "time_curve", "DEFAULT_SIZES", "spec_bench_systems"]
+           "run_config", "time_curve", "DEFAULT_SIZES"]
 
 ENV_VAR = "LLAMA_CPP_BIN"
 BUILD_SCRIPT = "scripts/build_llama_cpp.sh"
@@ -297,9 +297,3 @@ def time_curve(tool: Path, model, sizes: Sequence[int] = DEFAULT_SIZES, *, threa
             "stddev_seconds": [spread[s] for s in sizes],
             "depth": depth, "repeats": repeats, "threads": threads, "command": cmd}
 
-
-def spec_bench_systems(cfg, gen) -> list:
-    """llama.cpp's systems for ``specdec-bench --suite spec-bench`` (built in llama_cpp_peer)."""
-    from specdec_rt.bench.llama_cpp_peer import spec_bench_systems as systems
-
-    return systems(cfg, gen)

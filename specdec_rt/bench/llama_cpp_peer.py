@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdec_rt.bench import llama_cpp as L
+from specdec_rt.bench.common import Outcome, System
 from specdec_rt.errors import GenerationInputError
 
 PEER_NAMES = ("llama.cpp", "llama-cpp", "llamacpp")
@@ -214,8 +215,6 @@ def compare_with_ours(rows: list[dict], acc: dict, base_tps: float | None) -> No
 def spec_bench_systems(cfg, gen) -> list:
     """llama.cpp's target-only, draft-model speculation and lookup at each of ``cfg.peer_ks``, as
     Spec-Bench systems (family "llama.cpp": its target-only is their reference)."""
-    from specdec_rt.bench.spec_bench import Outcome, System
-
     p = plan(cfg, gen.bundle.manifest, gen.max_length, ks=list(cfg.peer_ks))
     plain: dict[tuple[str, int], tuple[bytes, list[int]]] = {}  # (prompt, n) -> its plain decode
 

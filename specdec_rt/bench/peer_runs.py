@@ -7,6 +7,7 @@ from pathlib import Path
 
 from specdec_rt.bench import llama_cpp_peer
 from specdec_rt.bench import peers as P
+from specdec_rt.bench.common import NO_SPIN, UNPADDED
 
 
 def _source_dirs(gen) -> tuple[Path, Path | None]:
@@ -131,8 +132,6 @@ def run_peers(cfg, gen, prompts: list[list[int]], base: dict, acc: dict, extras:
 
 def _llama_cpp(cfg, gen, acc: dict, extras: dict | None) -> list[dict]:
     """llama.cpp on the same prompt texts (its own tokenizer), max_new_tokens and threads."""
-    from specdec_rt.bench.runner import NO_SPIN, UNPADDED
-
     plan = llama_cpp_peer.plan(cfg, gen.bundle.manifest, gen.max_length)
     rows, details = llama_cpp_peer.run(plan, list(cfg.prompts), cfg.max_new_tokens, repeats=cfg.repeats,
                                        seed=cfg.seed, progress=cfg.progress)

@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from specdec_rt.bench.common import PeerUnavailable
+
 __all__ = ["PeerRun", "PeerUnavailable", "run_transformers", "build_ortgenai_model", "build_ortgenai_models",
            "run_ortgenai", "make_ortgenai_spec_dir", "available_peers"]
 
@@ -64,10 +66,6 @@ class PeerRun:
     seconds: float  # wall time of the generation call(s) for this prompt, excluding model load
     tokens_per_second: float
     extra: dict = field(default_factory=dict)
-
-
-class PeerUnavailable(RuntimeError):
-    """A peer system cannot run here; the message says why."""
 
 
 def _make_run(system: str, tokens: list[int], seconds: float, extra: dict) -> PeerRun:

@@ -7,14 +7,14 @@ hits all of them alike. Greedy outputs are compared token for token with target-
 from __future__ import annotations
 
 import json
-import os
-import platform
 import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from specdec_rt.bench.common import NO_SPIN, UNPADDED, machine_description
 
 
 @dataclass
@@ -64,21 +64,6 @@ def load_prompts(path: str | None) -> list[str]:
     return [block for block in text.split("\n\n") if block.strip()]
 
 
-def machine_description() -> dict:
-    import onnxruntime as ort
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "onnxruntime": ort.__version__, "platform": platform.platform()}
-
-
 def ideal_speedup(alpha: float, k: int, c: float, t_ratio: float) -> float:
     """Leviathan et al.: expected speedup of chain speculation with i.i.d. acceptance alpha."""
     if k == 0:
@@ -98,10 +83,6 @@ def predicted_speedups(c: float, t_curve: list[float], alphas=(0.6, 0.7, 0.8)) -
         out.append({"alpha": alpha, "best_k": best,
                     "speedup": ideal_speedup(alpha, best, c, t_curve[best] / t1)})
     return out
-
-
-UNPADDED = "target-only (1-row kernel)"
-NO_SPIN = "target-only (non-spinning pool)"
 
 
 def _specs(cfg: BenchConfig, has_draft: bool, min_rows: int = 1) -> list[RunSpec]:

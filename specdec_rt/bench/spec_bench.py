@@ -21,10 +21,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdec_rt.bench.runner import UNPADDED, machine_description
+from specdec_rt.bench.common import OURS_BASE, UNPADDED, Outcome, Question, System, machine_description
 from specdec_rt.errors import GenerationInputError
-
-OURS_BASE = "target-only"
 
 
 @dataclass
@@ -46,13 +44,6 @@ class SpecBenchConfig:
     gguf_target: str | None = None
     gguf_draft: str | None = None
     progress: bool = True
-
-
-@dataclass
-class Question:
-    question_id: int
-    category: str
-    text: str
 
 
 def load_questions(path: str, categories: list[str] | None, per_category: int) -> list[Question]:
@@ -83,27 +74,6 @@ def load_questions(path: str, categories: list[str] | None, per_category: int) -
     for cat in wanted:
         picked += [q for q in rows if q.category == cat][:per_category]
     return picked
-
-
-@dataclass
-class Outcome:
-    """One system's run of one prompt."""
-    tokens: list[int]
-    seconds: float
-    ttft: float | None = None
-    target_calls: int | None = None
-    proposed: int | None = None
-    accepted: int | None = None
-
-
-class System:
-    """Something that decodes a prompt greedily: one of our configurations or a peer's."""
-    name: str
-    family: str  # "ours", "onnxruntime-genai", "llama.cpp": whose target-only is its reference
-    is_base: bool = False  # this family's target-only decoding
-
-    def run(self, question: Question, ids: list[int], text: str, n: int) -> Outcome:
-        raise NotImplementedError
 
 
 class OurSystem(System):
@@ -204,7 +174,7 @@ def run_spec_bench(cfg: SpecBenchConfig) -> dict:
                 more, sessions = genai_systems(cfg, gen, longest)
                 closers += sessions
             elif peer in ("llama.cpp", "llama-cpp", "llamacpp"):
-                from specdec_rt.bench.llama_cpp import spec_bench_systems
+                from specdec_rt.bench.llama_cpp_peer import spec_bench_systems
 
                 more = spec_bench_systems(cfg, gen)
             else:

@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``
 (``/v1/models/{id}``), ``GET /health``, ``GET /metrics`` and the deprecated ``POST /generate``
-(the body and answers of the old stdlib server, kept for existing clients).
+(the body and answers of the removed stdlib server, kept for existing clients; bodies are checked
+by :mod:`.generate_route`).
 
 Request flow: read the body (size-limited), validate it (:mod:`.protocol`), tokenize / render the
 chat template in a worker thread, check the context, submit to the scheduler (429 when its queue
@@ -32,6 +33,7 @@ from starlette.routing import Route
 
 from specdec_rt.errors import USER_ERRORS
 from specdec_rt.serving import protocol as P
+from specdec_rt.serving.generate_route import RequestError, parse_request
 from specdec_rt.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from specdec_rt.serving.scheduler import Draining, GenSpec, QueueFull, make_scheduler
 
@@ -339,14 +341,12 @@ class SpecdecAPI:
 
     # -- the deprecated /generate route (body and answers of the old stdlib server) ---------------------
     async def generate(self, request: Request) -> Response:
-        from specdec_rt.server import RequestError, parse_request
-
         def legacy_error(status: int, message: str) -> JSONResponse:
             return JSONResponse({"error": message}, status_code=status)
 
         try:
             body = await self.read_json(request)
-            args = parse_request(json.dumps(body).encode(), self.max_tokens_limit)
+            args = parse_request(body, self.max_tokens_limit)
         except P.APIError as exc:
             return legacy_error(exc.status, exc.message)
         except RequestError as exc:

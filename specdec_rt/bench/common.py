@@ -1,0 +1,67 @@
+"""What the benchmark suites and the peer adapters share, at the bottom of ``specdec_rt.bench``.
+
+Imports go one way: the suites (:mod:`.runner`, :mod:`.spec_bench`, :mod:`.batch`) import the peer
+adapters (:mod:`.peer_runs`, :mod:`.llama_cpp_peer`, :mod:`.llama_cpp`, :mod:`.peers`), and all of
+them import this module, which imports none of them.
+"""
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+# our target-only runs: the exactness reference, and the other baselines speedups may be over (the
+# fastest of them): the one-row kernel where exactness pads one-row calls (int4 on x86), and the
+# overlapped generator's target alone (its pool does not spin)
+OURS_BASE = "target-only"
+UNPADDED = "target-only (1-row kernel)"
+NO_SPIN = "target-only (non-spinning pool)"
+
+
+class PeerUnavailable(RuntimeError):
+    """A peer system cannot run here; the message says why."""
+
+
+def machine_description() -> dict:
+    import onnxruntime as ort
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "onnxruntime": ort.__version__, "platform": platform.platform()}
+
+
+# -- Spec-Bench's systems (``specdec-bench --suite spec-bench``): ours and the peers' ---------------
+@dataclass
+class Question:
+    question_id: int
+    category: str
+    text: str
+
+
+@dataclass
+class Outcome:
+    """One system's run of one prompt."""
+    tokens: list[int]
+    seconds: float
+    ttft: float | None = None
+    target_calls: int | None = None
+    proposed: int | None = None
+    accepted: int | None = None
+
+
+class System:
+    """Something that decodes a prompt greedily: one of our configurations or a peer's."""
+    name: str
+    family: str  # "ours", "onnxruntime-genai", "llama.cpp": whose target-only is its reference
+    is_base: bool = False  # this family's target-only decoding
+
+    def run(self, question: Question, ids: list[int], text: str, n: int) -> Outcome:
+        raise NotImplementedError
