@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from specdec_rt.runtime.bundle import load_bundle
     from specdec_rt.runtime.engine import OrtEngine, enable_shared_thread_pool, probe_row_invariance
-    from specdec_rt.runtime.policy import measure_engine
+    from specdec_rt.runtime.cost_model import measure_engine
 
     enable_shared_thread_pool()
     bundle = load_bundle(args.bundle)

@@ -75,7 +75,7 @@ def evaluate(bundle: Path, prompts: list[str], ks: list[int], max_new_tokens: in
     import specdec_rt
 
     gen = specdec_rt.load(bundle, threads=1)
-    gen.measure_clock = time.process_time  # the cost model in CPU time, like the runs
+    gen.policies.clock = time.process_time  # the cost model in CPU time, like the runs
     ids = [gen.tokenizer.encode(p) for p in prompts]
     configs = ([("target-only", None, 0, "chain")] + [(f"K={k}", "model", k, "chain") for k in ks]
                + [("auto", "model", "auto", "chain"), ("tree auto", "model", "auto", "tree")])
@@ -105,7 +105,7 @@ def evaluate(bundle: Path, prompts: list[str], ks: list[int], max_new_tokens: in
     fixed = {n: v for n, v in speed.items() if n.startswith("K=")}
     best = max(fixed, key=fixed.get)
     best_chain = max(fixed[best], speed["auto"], 1.0)  # target-only is the chain of K = 0
-    cost = gen._cost_model
+    cost = gen.policies.cost_model
     return {"speedup": speed, "best_fixed": best, "auto_over_best": speed["auto"] / fixed[best],
             "tree_over_best_chain": speed["tree auto"] / best_chain,
             "c": cost.draft_step / cost.target_times[0] if cost else None,

@@ -263,7 +263,8 @@ def test_max_batch_on_load(tiny_pair):
 def test_policy_prefers_shorter_drafts_for_wide_batches():
     """Once verification cost grows with B x S, the same acceptance estimates give a shorter K for
     a wide batch than for one sequence."""
-    from specdec_rt.runtime.policy import AdaptivePolicy, CostModel
+    from specdec_rt.runtime.cost_model import CostModel
+    from specdec_rt.runtime.policy import AdaptivePolicy
 
     one = [1.0 + 0.03 * s for s in range(16)]  # one sequence: weight-bound, extra rows cheap
     eight = [2.0 + 0.8 * s for s in range(16)]  # eight sequences: compute-bound
@@ -279,7 +280,7 @@ def test_auto_measures_the_batch_surface_and_chooses_k_per_step(tiny_pair):
     base = [_solo(gen, p, max_new_tokens=20, drafter=None, ignore_eos=True) for p in PROMPTS[:4]]
     out = gen.generate_batch(PROMPTS[:4], max_new_tokens=20, num_draft_tokens="auto", ignore_eos=True)
     assert [r.token_ids for r in out] == base
-    assert sorted(gen._cost_model.widths) == [2, 4]
+    assert sorted(gen.policies.cost_model.widths) == [2, 4]
     assert len(gen.last_batch_stats.ks) == gen.last_batch_stats.steps
 
 

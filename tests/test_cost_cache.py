@@ -16,7 +16,7 @@ def cache(tmp_path, monkeypatch):
 
 def test_second_generator_reads_the_measured_cost_model(tiny_pair, cache, monkeypatch):
     import specdec_rt
-    from specdec_rt.runtime import policy
+    from specdec_rt.runtime import policy_store
 
     prompt = [5, 6, 7, 8]
     first = specdec_rt.load(tiny_pair["bundle"], threads=1)
@@ -29,11 +29,11 @@ def test_second_generator_reads_the_measured_cost_model(tiny_pair, cache, monkey
     def no_measuring(*a, **kw):
         raise AssertionError("measured again although the cost model was on disk")
 
-    monkeypatch.setattr(policy, "measure_cost_model", no_measuring)
+    monkeypatch.setattr(policy_store, "measure_cost_model", no_measuring)
     second = specdec_rt.load(tiny_pair["bundle"], threads=1)
     out = second.generate_ids(prompt, max_new_tokens=6, num_draft_tokens="auto")
     assert out == first.generate_ids(prompt, max_new_tokens=6, drafter=None)
-    assert second._cost_model.target_times == saved["target_times"]  # noqa: SLF001 - what the policy used
+    assert second.policies.cost_model.target_times == saved["target_times"]  # what the policy used
 
     # another setup (here the context the cache is sized for) is another key: measured, a second file
     monkeypatch.undo()

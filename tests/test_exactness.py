@@ -161,7 +161,8 @@ def test_adaptive_draft_length_is_exact(any_gen, drafter):
 
 def test_adaptive_policy_grows_k_when_everything_is_accepted(tiny_pair):
     import specdec_rt
-    from specdec_rt.runtime.policy import AdaptivePolicy, CostModel
+    from specdec_rt.runtime.cost_model import CostModel
+    from specdec_rt.runtime.policy import AdaptivePolicy
 
     gen = specdec_rt.load(tiny_pair["bundle_same"], threads=1)
     out = gen.generate_ids(PROMPTS[0], max_new_tokens=60, num_draft_tokens="auto", ignore_eos=True)

@@ -44,7 +44,7 @@ def test_greedy_hybrid_is_target_only_and_uses_both_sources(tiny_gen, k):
 def test_hybrid_policy_routes_outcomes_to_their_source(tiny_gen):
     tiny_gen.generate_ids(_prompts()[0], max_new_tokens=40, drafter="hybrid", num_draft_tokens="auto",
                           ignore_eos=True)
-    policies = tiny_gen.__dict__["_policies"]
+    policies = tiny_gen.policies.chains
     lookup, model = policies[("hybrid:prompt_lookup", False)], policies[("hybrid:model", False)]
     assert lookup.cost.draft_step == 0.0 and model.cost.draft_step > 0.0  # lookup drafts for free
     assert lookup.accept[0] != lookup.prior  # lookup's outcomes reached lookup's estimates

@@ -169,7 +169,8 @@ def test_policy_learns_the_overlapped_regime():
     """Hiding the draft behind verification when the look-ahead survives makes a step cheaper;
     since a shorter block survives more often, "auto" may pick a shorter K (cheap draft) or a
     longer one (expensive draft, high acceptance) than without overlap."""
-    from specdec_rt.runtime.policy import AdaptivePolicy, CostModel
+    from specdec_rt.runtime.cost_model import CostModel
+    from specdec_rt.runtime.policy import AdaptivePolicy
 
     def best(c: float, a: float, slope: float, overlap: bool) -> int:
         cost = CostModel([1.0 + slope * s for s in range(16)], c)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import pytest
 
 import specdec_rt
-from specdec_rt.runtime.policy import AdaptivePolicy, CostModel, TreePolicy, expected_chain_tokens
+from specdec_rt.runtime.cost_model import CostModel, expected_chain_tokens
+from specdec_rt.runtime.policy import AdaptivePolicy
+from specdec_rt.runtime.tree_policy import TreePolicy
 
 PROMPTS = ["def add(a, b):", "for i in range(", "class Stack:\n    def", "import os\nimport",
            "x = [1, 2, 3]\nprint(", "while True:\n    ", "if x is None:\n", "return self."]
@@ -37,7 +39,7 @@ def test_auto_reaches_the_best_fixed_k_on_unseen_pairs(tiny_pair, bundle_key, co
     slope, c = COSTS[cost_name]
     cost = CostModel([1.0 + slope * s for s in range(16)], c)
     gen = specdec_rt.load(tiny_pair[bundle_key], threads=1)
-    gen._cost_model = cost  # injected: make_policy uses it instead of measuring
+    gen.policies.cost_model = cost  # injected: the policies use it instead of measuring
     # the costs are modelled, so the policy must not calibrate them against real draft timings
     monkeypatch.setattr(AdaptivePolicy, "observe_step", lambda self, *a, **kw: None)
 

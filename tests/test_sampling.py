@@ -95,9 +95,9 @@ def gen(tiny_vocab_pair):
                          f"{'-template' if c.get('tree_shape') else ''}")
 def test_sampled_tokens_follow_target_distribution(tiny_vocab_pair, gen, cfg, monkeypatch):
     if cfg.get("cheap_draft"):  # modelled costs: the policy must not calibrate them to real timings
-        from specdec_rt.runtime.policy import TreePolicy, make_tree_policy
+        from specdec_rt.runtime.tree_policy import TreePolicy
 
-        policy = make_tree_policy(gen)
+        policy = gen.policies.tree()
         monkeypatch.setattr(policy, "draft_rows", [0.01 * c for c in policy.draft_rows])
         monkeypatch.setattr(TreePolicy, "observe_step", lambda self, *a, **kw: None)
     joint = exact_joint(tiny_vocab_pair["target"], cfg["temperature"], cfg["top_k"], cfg["top_p"])

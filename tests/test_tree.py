@@ -12,7 +12,8 @@ DRAFT_ROWS = [0.07, 0.075, 0.08, 0.083, 0.09, 0.097, 0.11, 0.12]
 
 
 def _policy(target_times, a, b, draft_rows=DRAFT_ROWS):
-    from specdec_rt.runtime.policy import CostModel, TreePolicy
+    from specdec_rt.runtime.cost_model import CostModel
+    from specdec_rt.runtime.tree_policy import TreePolicy
 
     pol = TreePolicy(CostModel(list(target_times), draft_rows[0]), draft_rows=list(draft_rows))
     pol.accept = [a] * len(pol.accept)
@@ -114,10 +115,10 @@ def test_policy_forced_to_branch_is_exact_and_branches(tiny_pair):
     import specdec_rt
     from test_exactness import assert_cache_equals_fresh_prefill
 
-    from specdec_rt.runtime.policy import CostModel, make_tree_policy
+    from specdec_rt.runtime.cost_model import CostModel
 
     gen = specdec_rt.load(tiny_pair["bundle"], threads=1)
-    pol = make_tree_policy(gen)  # measured once, then kept: override its costs
+    pol = gen.policies.tree()  # measured once, then kept: override its costs
     pol.cost = CostModel([1.0] * 16, 0.01)
     pol.draft_rows = [0.01] * 8
     pol.second = [0.5] * len(pol.second)

@@ -61,7 +61,7 @@ def run_batch_bench(cfg: BatchBenchConfig) -> dict:
         raise GenerationInputError("CPU time stands for elapsed time only in single-threaded runs: pass --threads 1")
     clock = time.process_time if cfg.clock == "cpu" else time.perf_counter
     gen = specdec_rt.load(cfg.bundle, threads=cfg.threads, shared_thread_pool=True, max_batch=max(cfg.batches))
-    gen.measure_clock = clock  # the cost surface K=auto decides from, measured with the same clock
+    gen.policies.clock = clock  # the cost surface K=auto decides from, measured with the same clock
     prompts = [gen.tokenizer.encode(p) for p in cfg.prompts]
     limit = gen.max_length - cfg.max_new_tokens - 1
     prompts = [p[-limit:] for p in prompts]
@@ -138,7 +138,7 @@ def run_batch_bench(cfg: BatchBenchConfig) -> dict:
         r["throughput_vs_b1"] = r["tokens_per_second"] / one["tokens_per_second"] if one else None
     rows.sort(key=lambda r: (r["batch"], [c[0] for c in configs].index(r["name"])))
 
-    cost = getattr(gen, "_cost_model", None)
+    cost = gen.policies.cost_model
     surface = {}
     if cost is not None:
         surface = {"1": {"target": cost.target_times, "draft_step": cost.draft_step}}

@@ -122,7 +122,7 @@ def _rss_mb() -> float:
 def run_bench(cfg: BenchConfig) -> dict:
     import specdec_rt
     from specdec_rt.bench import llama_cpp_peer
-    from specdec_rt.runtime.policy import measure_engine
+    from specdec_rt.runtime.cost_model import measure_engine
 
     from specdec_rt.errors import GenerationInputError
 
@@ -138,7 +138,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     # process-wide pool when its first session is created)
     gen_overlap = specdec_rt.load(cfg.bundle, threads=cfg.threads, overlap=True) if cfg.overlap else None
     gen = specdec_rt.load(cfg.bundle, threads=cfg.threads, shared_thread_pool=not cfg.overlap)
-    gen.measure_clock = clock  # the cost model "auto" decides from, measured with the same clock
+    gen.policies.clock = clock  # the cost model "auto" decides from, measured with the same clock
     prompts = [gen.tokenizer.encode(p) for p in cfg.prompts]
     limit = gen.max_length - cfg.max_new_tokens - 1
     prompts = [p[-limit:] for p in prompts]

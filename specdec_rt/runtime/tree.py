@@ -61,7 +61,7 @@ class TreeShape:
 
 
 class Template:
-    """A static tree shape chosen by :class:`~specdec_rt.runtime.policy.TreePolicy`: node 0 is
+    """A static tree shape chosen by :class:`~specdec_rt.runtime.tree_policy.TreePolicy`: node 0 is
     the root (the last committed token), node i > 0 hangs under ``parents[i]`` (< i) as the
     draft's choice of ``ranks[i]`` there (greedy: 0 = the draft's top token, 1 = its second;
     sampling: the index of the i.i.d. draw from q). Nodes are in breadth-first order and a chain
@@ -439,7 +439,7 @@ def run_tree(target: OrtEngine, drafter: ModelDrafter, prompt: list[int], cfg: L
              rng: np.random.Generator, stats: GenerationStats,
              shape: TreeShape | None = None, policy=None) -> Iterator[list[int]]:
     """Like :func:`run_chain`, verifying a token tree per target call: a fixed-budget
-    :class:`TreeShape`, or with ``policy`` (:class:`~specdec_rt.runtime.policy.TreePolicy`) the
+    :class:`TreeShape`, or with ``policy`` (:class:`~specdec_rt.runtime.tree_policy.TreePolicy`) the
     template it chooses per step."""
     shape = shape or TreeShape()
     t_start = time.perf_counter()

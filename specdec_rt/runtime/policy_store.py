@@ -1,0 +1,103 @@
+"""The "auto" policies a generator keeps across generations, and the cost model they share.
+
+"auto" learns per generator: acceptance estimates carry over from one generation to the next,
+and the cost model is measured once (or read back from disk, :mod:`specdec_rt.runtime.cost_cache`)
+and extended per batch width the first time a batch asks. One object owns all of that, so the
+generator holds no policy state of its own and nothing writes into it from outside: the store is
+handed the engines it measures and the manifest it keys the disk cache by, and its ``clock`` is an
+explicit setting (benchmarks that time runs in CPU time measure the cost model on that clock too).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from specdec_rt.runtime import cost_cache
+from specdec_rt.runtime.cost_model import CostModel, batch_widths, measure_cost_model, measure_engine, measure_width
+from specdec_rt.runtime.engine import OrtEngine
+from specdec_rt.runtime.policy import AdaptivePolicy
+from specdec_rt.runtime.tree_policy import TreePolicy
+
+
+class PolicyStore:
+    """A generator's policies for ``num_draft_tokens="auto"`` and their cost model.
+
+    ``cost_model``: the measured figures, None until the first "auto" generation measures them
+    (or finds them on disk); set it beforehand to inject one (e.g. modelled costs in tests), and
+    it is used instead of measuring. ``clock``: what the cost model is measured with and what the
+    policies made afterwards time their steps with (``time.perf_counter``; ``time.process_time``
+    for CPU time in single-threaded benchmarks). ``chains``: the chain policies made so far, by
+    (scope + drafter, overlap); ``tree_policy``: the tree policy once made.
+    """
+
+    def __init__(self, target: OrtEngine, draft: OrtEngine | None = None, manifest: dict | None = None,
+                 clock=time.perf_counter) -> None:
+        self.target = target
+        self.draft = draft
+        self.manifest = manifest  # the bundle's: keys the on-disk cost model (None: no disk cache)
+        self.clock = clock
+        self.cost_model: CostModel | None = None
+        self.chains: dict[tuple[str, bool], AdaptivePolicy] = {}
+        self.tree_policy: TreePolicy | None = None
+
+    def chain(self, drafter: str | None, max_width: int = 1, overlap: bool = False,
+              scope: str = "") -> AdaptivePolicy:
+        """The chain policy for this drafter, made once and kept across generations (``scope``:
+        a separate set, e.g. the hybrid drafter's own pair), deciding from a cost model that
+        covers batches of up to ``max_width`` sequences."""
+        key = (scope + (drafter or "none"), bool(overlap))
+        cost = self.measured(self.draft if drafter == "model" else None, max_width)
+        if drafter != "model":  # prompt lookup: drafting costs (next to) nothing
+            cost = CostModel(cost.target_times, 0.0, {b: (t, 0.0) for b, (t, _) in cost.widths.items()})
+        policy = self.chains.get(key)
+        if policy is None:
+            policy = self.chains[key] = AdaptivePolicy(cost, overlap=bool(overlap), clock=self.clock)
+        policy.set_cost(cost)  # possibly with more widths than when the policy was made
+        return policy
+
+    def tree(self) -> TreePolicy:
+        """The tree policy: the cost model (as for "auto" chains) plus the draft's cost for calls
+        of 1..8 rows, measured once; estimates kept across generations."""
+        if self.tree_policy is None:
+            cost = self.chain("model").cost
+            sizes = [1, 2, 3, 4, 6, 8]
+            rows = measure_engine(self.draft, sizes, past=128, reps=11, clock=self.clock)
+            c = [float(x) for x in np.interp(np.arange(1, 9), sizes, rows)]
+            self.tree_policy = TreePolicy(cost, draft_rows=c, clock=self.clock)
+        return self.tree_policy
+
+    def measured(self, draft: OrtEngine | None, max_width: int = 1) -> CostModel:
+        """:attr:`cost_model`, read from disk or measured where missing: the target's T(S), the
+        step of ``draft`` (when given), and every batch width up to ``max_width`` (measured before
+        the batch starts: measuring uses the engines' caches). New figures are saved to disk."""
+        cost = self.cost_model
+        key = self.cache_key() if cost is None else None
+        if key is not None:  # measured before on this machine (cost_cache)
+            cached = cost_cache.load_cost(key)
+            if cached is not None:
+                cost = self.cost_model = CostModel(**cached)
+        changed = False
+        if cost is None or (draft is not None and cost.draft_step == 0.0):
+            cost = self.cost_model = measure_cost_model(self.target, draft, clock=self.clock)
+            changed = True
+        for width in batch_widths(max_width):
+            if width not in cost.widths or (draft is not None and cost.widths[width][1] == 0.0):
+                measure_width(cost, self.target, draft, width, clock=self.clock)
+                changed = True
+        key = (key or self.cache_key()) if changed else None
+        if key is not None:
+            cost_cache.save_cost(key, cost.target_times, cost.draft_step, cost.widths)
+        return cost
+
+    def cache_key(self) -> str | None:
+        """The on-disk cost model's key for this bundle, these engines and this clock (None: no
+        manifest, e.g. engines built by hand in tests)."""
+        if not self.manifest:
+            return None
+        models = self.manifest.get("models", {}).values()
+        graphs = [m["graph"] for m in models if isinstance(m, dict) and "graph" in m]
+        machine = {"target": cost_cache.engine_settings(self.target), "draft": cost_cache.engine_settings(self.draft),
+                   "clock": getattr(self.clock, "__name__", str(self.clock)),
+                   "max_len": getattr(self.target, "max_len", None)}
+        return cost_cache.cost_key(self.manifest, graphs, machine)
