@@ -101,7 +101,7 @@ def _native(bundle: Path, own_bundle: bool, build: bool) -> tuple[dict | None, s
 def check_one(bundle: Path, kwargs: dict, prompts: list[str], max_new: int, ref: dict | None,
               threads: int | None) -> dict:
     import specdec_rt
-    from specdec_rt.runtime.engine import causal_mask
+    from specdec_rt.runtime.masks import causal_mask
 
     gen = specdec_rt.load(bundle, threads=threads, **kwargs)
     ids = [gen.tokenizer.encode(p) for p in prompts]

@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from specdec_rt.runtime.bundle import load_bundle
-    from specdec_rt.runtime.engine import OrtEngine, enable_shared_thread_pool, probe_row_invariance
+    from specdec_rt.runtime.engine import OrtEngine
+    from specdec_rt.runtime.probes import probe_row_invariance
+    from specdec_rt.runtime.sessions import enable_shared_thread_pool
     from specdec_rt.runtime.cost_model import measure_engine
 
     enable_shared_thread_pool()

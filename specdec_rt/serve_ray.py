@@ -27,7 +27,7 @@ from typing import Any
 def _build_asgi(settings: dict[str, Any]):
     """Run in each replica: load the bundle and build the app."""
     import specdec_rt
-    from specdec_rt.runtime.engine import enable_shared_thread_pool
+    from specdec_rt.runtime.sessions import enable_shared_thread_pool
     from specdec_rt.serving.app import create_app
     from specdec_rt.serving.cli import limit_malloc_arenas
 

@@ -8,7 +8,7 @@ import pytest
 
 import specdec_rt
 from specdec_rt.runtime.bundle import BundleError, external_data_locations, sha256_file
-from specdec_rt.runtime.engine import ContextOverflowError
+from specdec_rt.errors import ContextOverflowError
 from specdec_rt.runtime.generator import GenerationInputError
 from specdec_rt.runtime.sampling import SamplingParamsError
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import specdec_rt
-from specdec_rt.runtime.engine import causal_mask
+from specdec_rt.runtime.masks import causal_mask
 from specdec_rt.runtime.generator import GenerationInputError
 
 # different lengths, so rows sit at different cache positions throughout

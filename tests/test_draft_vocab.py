@@ -25,7 +25,7 @@ def cut_bundle(tiny_pair, tmp_path_factory):
 def test_manifest_graph_and_validation(cut_bundle):
     import onnxruntime as ort
 
-    from specdec_rt.runtime.engine import session_options
+    from specdec_rt.runtime.sessions import session_options
 
     out, manifest = cut_bundle
     draft = manifest["models"]["draft"]

@@ -76,7 +76,7 @@ def test_rollback_leaves_cache_equal_to_fresh_prefill(tiny_pair, any_gen):
 
 def assert_cache_equals_fresh_prefill(eng, cached, tokens, n):
     """Re-prefill ``tokens[:n]`` into ``eng`` and compare its K/V with ``cached``."""
-    from specdec_rt.runtime.engine import causal_mask
+    from specdec_rt.runtime.masks import causal_mask
 
     eng.reset()
     pos = np.arange(n)

@@ -196,7 +196,7 @@ def test_quantized_embedding_matches_dequantized_table(root):
     import onnx
 
     onnx.save(model, str(out / "target" / "probe.onnx"))
-    from specdec_rt.runtime.engine import session_options  # the shared pool, if a test made one
+    from specdec_rt.runtime.sessions import session_options  # the shared pool, if a test made one
 
     sess = ort.InferenceSession(str(out / "target" / "probe.onnx"), session_options(),
                                 providers=["CPUExecutionProvider"])

@@ -53,7 +53,7 @@ def quant_bundles(tmp_path_factory) -> dict:
 def _rows(engine, prompt, path, side):
     """Logits rows of ``path`` computed one token at a time, as a chain, and inside a tree whose
     backbone is ``path`` with a sibling (from ``side``) at every depth, interleaved (holes)."""
-    from specdec_rt.runtime.engine import causal_mask, tree_mask
+    from specdec_rt.runtime.masks import causal_mask, tree_mask
     from specdec_rt.runtime.tree import _Node, _tree_visibility
 
     n = len(prompt)
@@ -97,7 +97,7 @@ def test_chain_and_tree_rows_equal_sequential_rows_bit_for_bit(quant_bundles, pr
 def test_probe_pads_one_row_calls_where_kernels_differ(quant_bundles):
     """Whatever this CPU's kernels do, after the probe a one-row call equals a verify row."""
     import specdec_rt
-    from specdec_rt.runtime.engine import causal_mask
+    from specdec_rt.runtime.masks import causal_mask
 
     gen = specdec_rt.load(quant_bundles["int4"], threads=1)
     eng = gen.target
@@ -122,7 +122,7 @@ def test_fused_target_attention_chain_rows_equal_sequential_rows_bit_for_bit(qua
     import warnings
 
     import specdec_rt
-    from specdec_rt.runtime.engine import RowInvarianceWarning
+    from specdec_rt.runtime.probes import RowInvarianceWarning
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", RowInvarianceWarning)  # nothing to say before a batch is asked for
@@ -180,7 +180,7 @@ def test_batched_rows_equal_rows_alone_bit_for_bit(quant_bundles, precision):
     a one-row call runs another kernel: a batched call always has several rows, and the row
     alone is padded to ``min_rows`` by the probe."""
     import specdec_rt
-    from specdec_rt.runtime.engine import causal_mask
+    from specdec_rt.runtime.masks import causal_mask
 
     gen = specdec_rt.load(quant_bundles[precision], threads=1, max_batch=4)
     assert gen.target.batch_calls  # the load-time probe found no dependence on the batch

@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from specdec_rt.runtime.engine import causal_mask, session_options
+from specdec_rt.runtime.masks import causal_mask
+from specdec_rt.runtime.sessions import session_options
 
 
 def _feeds_for_genai(sess: ort.InferenceSession, s: int, p: int, head_size: int) -> dict:

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specdec_rt.runtime.engine import OrtEngine, causal_mask
+from specdec_rt.runtime.engine import OrtEngine
+from specdec_rt.runtime.masks import causal_mask
 
 
 def expected_chain_tokens(accept, k_max: int) -> np.ndarray:

@@ -47,6 +47,12 @@ class KVCache:
         self._value_ptrs = [f.ctypes.data for f in self._flat[1::2]]
         self._set_stride(max_len)
 
+    @property
+    def flat(self) -> list[np.ndarray]:
+        """The buffers themselves, one flat array per layer and kind: ``[K0, V0, K1, V1, ...]``
+        (each sequence at ``seq * stride`` positions; writers of raw rows use them)."""
+        return self._flat
+
     def _set_stride(self, stride: int) -> None:
         self.stride = stride
         shape = (self.seqs, stride, self.heads, self.head_dim)

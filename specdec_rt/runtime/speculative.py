@@ -10,7 +10,7 @@ as its own call before it joins the batched steps.
 Invariant, per row: the target cache holds every committed token except the last one, which is
 the first input of the next verify call. Greedy output is token-for-token target-only greedy;
 sampled output follows the target's processed distribution exactly. A row's logits are bit for
-bit the same in a batch as alone (:func:`specdec_rt.runtime.engine.probe_batch_invariance`), and
+bit the same in a batch as alone (:func:`specdec_rt.runtime.probes.probe_batch_invariance`), and
 each row draws from its own generator in the same order as alone, so with a fixed K a row's
 output does not depend on the other rows at all.
 

@@ -25,7 +25,8 @@ from typing import Iterator
 import numpy as np
 
 from specdec_rt.runtime.drafters import BATCH_CATCH_UP, ModelDrafter
-from specdec_rt.runtime.engine import NEG_INF, OrtEngine, causal_mask, tree_mask
+from specdec_rt.runtime.engine import OrtEngine
+from specdec_rt.runtime.masks import NEG_INF, causal_mask, tree_mask
 from specdec_rt.runtime.sampling import SamplingParams, probabilities, sample
 from specdec_rt.runtime.speculative import LoopConfig, StepClock, clip_new_tokens, prefill
 from specdec_rt.runtime.stats import GenerationStats

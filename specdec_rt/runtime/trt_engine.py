@@ -26,8 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
+from specdec_rt.errors import ContextOverflowError
 from specdec_rt.runtime.bundle import MANIFEST, BundleError, ModelInfo
-from specdec_rt.runtime.engine import ContextOverflowError, EngineBase
+from specdec_rt.runtime.engine_base import EngineBase
 from specdec_rt.runtime.kv_cache import set_layout
 from specdec_rt.runtime.providers import BackendUnavailableError
 

@@ -1,0 +1,101 @@
+"""The cache bookkeeping every engine shares, whatever runs its graph (ONNX Runtime or TensorRT).
+
+:class:`EngineBase` holds each sequence's committed length and implements commit, rollback,
+compaction, chunked prefill and the one-token step on top of a subclass's ``forward``. It is
+its own module so that both engines (:mod:`specdec_rt.runtime.engine`,
+:mod:`specdec_rt.runtime.trt_engine`) can derive from it without importing each other.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from specdec_rt.runtime.kv_cache import KVCache
+from specdec_rt.runtime.masks import causal_mask
+
+# Long inputs (prompts) run in chunks of this many tokens: the graph returns logits for every
+# row, and a 4k-token prompt over a 152k vocabulary would otherwise need a 2.5 GB logits tensor.
+PREFILL_CHUNK = 256
+
+
+class EngineBase:
+    """The cache bookkeeping every engine shares: ``lengths[s]`` committed positions of sequence
+    ``s`` in ``cache`` (one sequence unless the engine was built for batches, ``max_batch``).
+
+    Every method takes the sequence it acts on (``seq``, default 0: the one-sequence API, where
+    ``length`` is ``lengths[0]``). Subclasses provide ``forward(ids, positions, mask, seq)``
+    writing new K/V at [length, length + S) of that sequence.
+    """
+
+    lengths: list[int]
+    cache: KVCache
+    max_batch: int = 1
+
+    @property
+    def length(self) -> int:
+        """Committed positions of sequence 0."""
+        return self.lengths[0]
+
+    @length.setter
+    def length(self, n: int) -> None:
+        self.lengths[0] = n
+
+    def reset(self, seq: int | None = None) -> None:
+        """Forget sequence ``seq`` (every sequence if None)."""
+        if seq is None:
+            self.lengths = [0] * len(self.lengths)
+        else:
+            self.lengths[seq] = 0
+
+    def rollback(self, length: int, seq: int = 0) -> None:
+        """O(1): forget everything after ``length``."""
+        if not 0 <= length <= self.lengths[seq]:
+            raise ValueError(f"cannot roll back to {length} (cache holds {self.lengths[seq]})")
+        self.lengths[seq] = length
+
+    def commit(self, n: int, seq: int = 0) -> None:
+        """Keep the first ``n`` positions written by the last forward call."""
+        self.lengths[seq] += n
+
+    def compact(self, src_offsets: list[int], seq: int = 0) -> None:
+        """Keep the forward call's slots ``src_offsets`` (relative to ``length``) in order."""
+        p = self.lengths[seq]
+        self.cache.gather_into([p + s for s in src_offsets], p, seq)
+        self.lengths[seq] = p + len(src_offsets)
+
+    def extend(self, tokens, chunk: int = PREFILL_CHUNK, seq: int = 0) -> np.ndarray:
+        """Run ``tokens`` at the next positions in chunks of ``chunk`` and commit them; returns
+        the last token's logits row. Chunks bound the logits output (every row's, [S, V])."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        row = None
+        for start in range(0, len(ids), chunk):
+            p = self.lengths[seq]
+            part = ids[start:start + chunk]
+            positions = np.arange(p, p + len(part), dtype=np.int64)
+            row = self.forward(part, positions, causal_mask(p, positions, self.info.sliding_window), seq)[-1]
+            self.commit(len(part), seq)
+        return row
+
+    def step(self, token: int, seq: int = 0) -> np.ndarray:
+        """One token at the next position; returns its logits row and commits it."""
+        p = self.lengths[seq]
+        pos = np.array([p], dtype=np.int64)
+        row = self.forward(np.array([token], dtype=np.int64), pos,
+                           causal_mask(p, pos, self.info.sliding_window), seq)[-1]
+        self.lengths[seq] = p + 1
+        return row
+
+    def forward_rows(self, seqs: list[int], ids: list, positions: list | None = None,
+                     masks: list | None = None) -> list[np.ndarray]:
+        """One call over several sequences: sequence ``seqs[i]`` gets tokens ``ids[i]`` at
+        ``positions[i]`` (default: its next positions) with ``masks[i]`` ([S_i, length + S_i],
+        as for :meth:`forward`; default: causal, the manifest's sliding window applied).
+
+        Returns each sequence's logits [S_i, V]; nothing is committed. Engines without batched
+        calls (``max_batch`` 1) take one sequence.
+        """
+        if len(seqs) != 1:
+            raise ValueError(f"this engine runs one sequence per call, got {len(seqs)}")
+        p = self.lengths[seqs[0]]
+        pos = positions[0] if positions is not None else np.arange(p, p + len(ids[0]), dtype=np.int64)
+        mask = masks[0] if masks is not None else causal_mask(p, pos, self.info.sliding_window)
+        return [self.forward(ids[0], pos, mask, seqs[0])]

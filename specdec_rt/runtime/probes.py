@@ -1,0 +1,134 @@
+"""Load-time checks that speculation stays exact on the machine that runs the model.
+
+Greedy speculative decoding equals target-only decoding only if the target computes a token's
+logits bit for bit the same whatever else shares its call: a call's row count (one-row kernels)
+and, for batched decoding, the other sequences in it. Kernels differ per CPU/GPU, so these
+probes measure it once per engine at load and set the engine's switches (``min_rows``,
+``batch_calls``); they drive the engine only through its public API, which is why they live
+apart from :mod:`specdec_rt.runtime.engine` (and import nothing from it).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from specdec_rt.runtime.engine_base import EngineBase
+from specdec_rt.runtime.masks import causal_mask
+
+
+class RowInvarianceWarning(RuntimeWarning):
+    """The target's logits for a token depend on how many rows its call had."""
+
+
+def probe_row_invariance(engine: EngineBase, widths: tuple[int, ...] = (2, 3, 5, 8, 16, 33),
+                         seed: int = 0) -> int:
+    """Measure from how many rows on a call's row results stop depending on the row count, and
+    pad smaller calls to that (``engine.min_rows``). Returns the row count chosen.
+
+    Greedy speculation is token-for-token target-only decoding only if the target computes a
+    token's logits bit for bit the same alone (S = 1) as inside a verify call (S > 1). Kernels
+    are free to pick another code path per row count: ONNX Runtime's MatMulNBits (int4 weights)
+    runs a separate kernel for a single row whose results differ in the last bits from the
+    multi-row kernel (measured on x86 AVX2), and int8 activation quantization turns such bits
+    into flipped argmaxes. Which kernels differ depends on the CPU/GPU, so it is measured here,
+    on the machine that runs the model, not assumed at export.
+    """
+    rng = np.random.default_rng(seed)
+    prefix = 3
+    usable = [w for w in widths if prefix + w <= engine.max_len]
+    if not usable:
+        return engine.min_rows
+    tokens = rng.integers(0, engine.vocab_size, prefix + max(usable))
+    sliding = engine.info.sliding_window
+    saved = engine.min_rows
+    engine.min_rows = 1
+    try:
+        engine.reset()
+        pos = np.arange(prefix, dtype=np.int64)
+        engine.forward(tokens[:prefix], pos, causal_mask(0, pos, sliding))
+        engine.commit(prefix)
+        rows = {}
+        for s in (1, *usable):
+            pos = np.arange(prefix, prefix + s, dtype=np.int64)
+            rows[s] = engine.forward(tokens[prefix:prefix + s], pos, causal_mask(prefix, pos, sliding))[0].copy()
+    finally:
+        engine.reset()
+        engine.min_rows = saved
+    multi = [rows[s] for s in usable]
+    multi_agree = all(np.array_equal(multi[0], r) for r in multi[1:])
+    if multi_agree and np.array_equal(rows[1], multi[0]):
+        chosen = 1
+    elif multi_agree:
+        chosen = 2
+    else:
+        import warnings
+
+        warnings.warn(
+            f"the {engine.info.role} graph's logits for a token change with the number of rows in "
+            f"the call (widths {usable} disagree) on the {engine.provider} provider: greedy "
+            "speculation may differ from target-only decoding on near-ties", RowInvarianceWarning,
+            stacklevel=2)
+        chosen = 1
+    engine.min_rows = chosen
+    return chosen
+
+
+def probe_batch_invariance(engine: EngineBase, seed: int = 0, warn: bool = True) -> bool:
+    """Measure whether a sequence's logits and K/V in a batched call equal, bit for bit, what it
+    gets alone (``engine.forward_batch`` against ``engine.forward``); if not, warn and make
+    ``engine.forward_rows`` run sequences one at a time (``engine.batch_calls = False``: exact,
+    without the batching gain). Returns the answer.
+
+    Batched calls pad: rows are at different lengths (masked past columns) and propose different
+    numbers of tokens (pad rows), and the call has more rows than any of its sequences. Measured
+    on x86 AVX2 with the fp32 and int4 graphs: no effect beyond the one-row kernel that
+    ``min_rows`` already pads (every batched call has several rows). Kernels differ per machine,
+    so this is checked where the model runs, after :func:`probe_row_invariance`.
+    """
+    n = min(engine.max_batch, 4)
+    if n < 2:
+        return True
+    rng = np.random.default_rng(seed)
+    lengths, widths = [3, 9, 5, 14][:n], [1, 4, 2, 3][:n]
+    if max(lengths) + max(widths) > engine.max_len:
+        return True
+    prompts = [rng.integers(0, engine.vocab_size, p + s) for p, s in zip(lengths, widths)]
+    sliding = engine.info.sliding_window
+    layers = sorted({0, engine.info.num_layers - 1})
+    seqs = list(range(n))
+
+    def inputs(i):
+        pos = np.arange(lengths[i], lengths[i] + widths[i], dtype=np.int64)
+        return prompts[i][lengths[i]:], pos, causal_mask(lengths[i], pos, sliding)
+
+    def new_kv(i):
+        return [engine.cache.read(layer, lengths[i], lengths[i] + widths[i], i) for layer in layers]
+
+    engine.reset()
+    try:
+        alone = []
+        for i in seqs:
+            engine.extend(prompts[i][:lengths[i]], seq=i)
+            row = engine.forward(*inputs(i), seq=i).copy()
+            alone.append((row, new_kv(i)))
+        same = True
+        for order, given in ((seqs, False), (seqs[::-1], True), (seqs[1:3], False), (seqs[::2], True)):
+            if len(order) < 2:
+                continue
+            ids, positions, masks = map(list, zip(*[inputs(i) for i in order]))
+            rows = engine.forward_batch(order, ids, positions, masks if given else None)
+            for i, row in zip(order, rows):
+                ref_row, ref_kv = alone[i]
+                kv = new_kv(i)
+                same &= np.array_equal(row, ref_row) and all(
+                    np.array_equal(a, b) for x, y in zip(kv, ref_kv) for a, b in zip(x, y))
+    finally:
+        engine.reset()
+    engine.batch_calls = same
+    if not same:
+        engine.batch_warning = (
+            f"the {engine.info.role} graph's logits for a sequence change when it shares a call with "
+            f"other sequences on the {engine.provider} provider: batched decoding runs one sequence per "
+            "call (exact, without the batching gain)")
+        if warn:
+            engine.warn_unbatched()
+    return same
