@@ -32,14 +32,14 @@ def test_the_draft_runs_at_most_its_context_to_catch_up(gens, tiny_pair):
 
     gen = gens[8]
     d = ModelDrafter(gen.draft_engine, gen.vocab_size, context=8)
-    d.start([], 0)
+    d.begin([], 0)
     tokens = list(range(1, 41))
     assert d.unseen(tokens) == tokens[-8:]
     d.advance(tokens[-8:])
     assert gen.draft_engine.length == 8
     assert d.unseen(tokens + [41, 42]) == [41, 42]  # a short gap: caught up, not restarted
     d.advance([41, 42])
-    d.sync(tokens + [41, 99])  # the target rejected 42: roll back one position
+    d.rollback_to(tokens + [41, 99])  # the target rejected 42: roll back one position
     assert gen.draft_engine.length == 9 and d.unseen(tokens + [41, 99]) == [99]
     gen.draft_engine.reset()
 
@@ -67,9 +67,9 @@ def test_a_draft_re_entering_after_a_stretch_without_it_resyncs_on_a_short_windo
     d = ModelDrafter(gen.draft_engine, gen.vocab_size, context=16, resync=4)
     assert d.resync == 4
     prompt = list(range(1, 31))
-    d.start(prompt, 0)
+    d.begin(prompt, 0)
     assert d.unseen(prompt + [31]) == (prompt + [31])[-16:]  # drafting starts with the sequence
-    d.start(prompt, 0)
+    d.begin(prompt, 0)
     later = prompt + list(range(31, 41))  # 10 tokens decoded without the draft
     assert d.unseen(later) == later[-4:]
     d.advance(later[-4:])
@@ -77,13 +77,13 @@ def test_a_draft_re_entering_after_a_stretch_without_it_resyncs_on_a_short_windo
     assert d.unseen(later + list(range(41, 61))) == list(range(57, 61))  # a long one resyncs
     cfg = LoopConfig(max_new_tokens=8, params=SamplingParams(temperature=0.0))
     row = Row(prompt, cfg, np.random.default_rng(0), GenerationStats(), seq=0)
-    d.start(prompt, 0)
+    d.begin(prompt, 0)
     row.tokens = later
     d.propose([row], [1])
-    assert d.caught_up_prompt  # fresh + a long gap
+    assert d.report.long_catch_up  # fresh + a long gap
     row.tokens = later + [99]
-    d.sync(row.tokens[:-1], 0)
+    d.rollback_to(row.tokens[:-1], 0)
     d.propose([row], [1])
-    assert not d.caught_up_prompt  # one or two tokens: a normal drafting step
+    assert not d.report.long_catch_up  # one or two tokens: a normal drafting step
     assert ModelDrafter(gen.draft_engine, gen.vocab_size, context=None).resync is None
     gen.draft_engine.reset()

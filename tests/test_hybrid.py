@@ -33,10 +33,10 @@ def test_greedy_hybrid_is_target_only_and_uses_both_sources(tiny_gen, k):
     for r in rows:
         r.tokens = list(r.prompt)
         r.seq = 0
-    d.start(rows[0].tokens)
+    d.begin(rows[0].tokens)
     props = d.propose(rows[:1], [3])  # the repeated motif: lookup proposes
     assert d.lookup_proposals == 1 and len(props[0][0]) == 3 and props[0][1] is None
-    d.start(rows[1].tokens)
+    d.begin(rows[1].tokens)
     d.propose(rows[1:], [3])  # no earlier occurrence of its last token: the draft model proposes
     assert d.model_proposals == 1
 

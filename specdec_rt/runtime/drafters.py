@@ -7,10 +7,14 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from specdec_rt.runtime.engine import OrtEngine
+from specdec_rt.runtime.rows import DraftReport, StepReport
 from specdec_rt.runtime.sampling import probabilities, sample
 
 if TYPE_CHECKING:
     from specdec_rt.runtime.rows import Row
+
+__all__ = ["Drafter", "DraftReport", "StepReport", "ModelDrafter", "PromptLookupDrafter", "DRAFT_CONTEXT",
+           "RESYNC_CONTEXT", "BATCH_CATCH_UP"]
 
 # A catch-up longer than this runs as the sequence's own call before a batched draft step, so a
 # long one does not widen every row of the batch (the first one is the prompt: start() is lazy;
@@ -36,21 +40,27 @@ RESYNC_CONTEXT = 32
 
 
 class Drafter(Protocol):
-    """Proposes up to ``ks[i]`` tokens after ``rows[i].tokens`` for every row of a batch.
+    """Whatever proposes tokens for the target to verify (transformers' candidate generators,
+    llama.cpp's common_speculative): ``begin`` a sequence, ``propose`` up to ``ks[i]`` tokens
+    after ``rows[i].tokens`` for every row of a batch, ``observe`` what verification kept,
+    ``end`` the sequence. ``report`` describes the last proposal.
 
-    Returns one (draft tokens, q) per row: q holds the draft's processed probabilities
-    [len, V] when the draft sampled from a distribution, or None for deterministic proposals
-    (greedy decoding, or prompt lookup). Each row samples with its own parameters and
+    ``propose`` returns one (draft tokens, q) per row: q holds the draft's processed
+    probabilities [len, V] when the draft sampled from a distribution, or None for deterministic
+    proposals (greedy decoding, or prompt lookup). Each row samples with its own parameters and
     random generator. ``seq`` names the row's sequence (its cache) in a stateful drafter.
     """
 
     name: str
+    report: DraftReport
 
-    def start(self, prompt: list[int], seq: int = 0) -> None: ...
+    def begin(self, prompt: list[int], seq: int = 0) -> None: ...
 
     def propose(self, rows: list[Row], ks: list[int]) -> list[tuple[list[int], np.ndarray | None]]: ...
 
-    def sync(self, tokens: list[int], seq: int = 0) -> None: ...
+    def observe(self, step: StepReport) -> None: ...
+
+    def end(self, seq: int = 0) -> None: ...
 
 
 class ModelDrafter:
@@ -79,20 +89,18 @@ class ModelDrafter:
         # stop drafting once the product of the draft's top probabilities falls below this
         # (0 = always draft k tokens); set by the adaptive policy
         self.confidence_floor = 0.0
-        # the share of the last proposal's time spent in its first call (the catch-up, on caches
-        # the target's verify call just evicted): the policy prices that call apart, as a cost
-        # per drafting step, from the later ones, a cost per drafted token
-        self.first_call_share: float | None = None
-        # whether the last proposal caught up more than a step's tokens: a prompt (a sequence's
-        # first drafting step: start() is lazy) or a re-entry after a stretch without drafting.
-        # That is prefill work, not what a drafting step costs, so the policies skip that step
-        # (learned from, a probe after a K = 0 stretch inflated the draft's scales and kept K at 0)
-        self.caught_up_prompt = False
+        # the last proposal: its first call's share of the time (the catch-up, on caches the
+        # target's verify call just evicted: the policy prices that call apart, as a cost per
+        # drafting step, from the later ones, a cost per drafted token), and whether it caught up
+        # more than a step's tokens (a prompt: begin() is lazy; or a re-entry after a stretch
+        # without drafting). Learned from, a probe's catch-up after a K = 0 stretch had inflated
+        # the draft's scales and kept K at 0.
+        self.report = DraftReport()
 
     def seen(self, seq: int = 0) -> list[int]:
         return self._seen[seq]
 
-    def start(self, prompt: list[int], seq: int = 0) -> None:
+    def begin(self, prompt: list[int], seq: int = 0) -> None:
         """A fresh sequence; the prompt enters the draft cache lazily, at the first
         :meth:`propose` (in the sequence's own call(s), as the catch-up of its unseen tokens).
 
@@ -154,11 +162,11 @@ class ModelDrafter:
         confidence = [1.0] * len(rows)
         floor = self.confidence_floor
         pending = []
-        self.caught_up_prompt = False
+        long_catch_up = False
         for row in rows:
             todo = self.unseen(row.tokens, row.seq)
             # a fresh (or restarted, see unseen) sequence or a long gap: its first call is prefill
-            self.caught_up_prompt |= not self._seen[row.seq] or len(todo) > BATCH_CATCH_UP
+            long_catch_up |= not self._seen[row.seq] or len(todo) > BATCH_CATCH_UP
             if len(rows) > 1 and len(todo) > BATCH_CATCH_UP:
                 self._step(todo[:-1], row.seq)
                 todo = todo[-1:]
@@ -191,7 +199,7 @@ class ModelDrafter:
             live = still
         spent = time.perf_counter() - t0
         self.time += spent
-        self.first_call_share = first / spent if first and spent > 0 else None
+        self.report = DraftReport(spent, first / spent if first and spent > 0 else None, long_catch_up)
         out = []
         for row, d, q in zip(rows, drafts, qs):
             if row.cfg.params.greedy or not d:
@@ -203,7 +211,14 @@ class ModelDrafter:
             out.append((d, q))
         return out
 
-    def sync(self, tokens: list[int], seq: int = 0) -> None:
+    def observe(self, step: StepReport) -> None:
+        """Roll the draft cache back to the longest prefix it shares with ``step.tokens``."""
+        self.rollback_to(step.tokens, step.seq)
+
+    def end(self, seq: int = 0) -> None:
+        """The sequence left the batch; its cache sequence is reset at the next :meth:`begin`."""
+
+    def rollback_to(self, tokens: list[int], seq: int = 0) -> None:
         """Roll the draft cache back to the longest prefix it shares with ``tokens``."""
         seen, base = self._seen[seq], self._base[seq]
         n = min(len(seen), len(tokens) - base)
@@ -230,14 +245,17 @@ class PromptLookupDrafter:
         self.min_ngram = min_ngram
         self.calls = 0
         self.time = 0.0
+        self.report = DraftReport()
 
-    def start(self, prompt: list[int], seq: int = 0) -> None:
+    def begin(self, prompt: list[int], seq: int = 0) -> None:
         pass
 
     def propose(self, rows: list[Row], ks: list[int]) -> list[tuple[list[int], np.ndarray | None]]:
         t0 = time.perf_counter()
         out = [(self.lookup(row.tokens, k) if k > 0 else [], None) for row, k in zip(rows, ks)]
-        self.time += time.perf_counter() - t0
+        spent = time.perf_counter() - t0
+        self.time += spent
+        self.report = DraftReport(spent)
         return out
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
@@ -253,5 +271,8 @@ class PromptLookupDrafter:
                 return arr[start:start + k].tolist()
         return []
 
-    def sync(self, tokens: list[int], seq: int = 0) -> None:
+    def observe(self, step: StepReport) -> None:
+        pass  # stateless: it reads the row's tokens at every proposal
+
+    def end(self, seq: int = 0) -> None:
         pass

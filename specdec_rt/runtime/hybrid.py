@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from specdec_rt.runtime.drafters import ModelDrafter, PromptLookupDrafter
+from specdec_rt.runtime.drafters import DraftReport, ModelDrafter, PromptLookupDrafter, StepReport
 
 if TYPE_CHECKING:
     from specdec_rt.runtime.policy import AdaptivePolicy
@@ -75,22 +75,21 @@ class HybridDrafter:
         self.lookup_proposals = 0  # rows that took lookup's proposal (statistics)
         self.model_proposals = 0
 
-    # what the loop reads after a step (the model's, when it drafted)
     @property
-    def caught_up_prompt(self) -> bool:
-        return self.model.caught_up_prompt and self._used_model
-
-    @property
-    def first_call_share(self) -> float | None:
-        return self.model.first_call_share if self._used_model else None
+    def report(self) -> DraftReport:
+        """The model's report when it drafted this step, else lookup's (free; no catch-up)."""
+        return self.model.report if self._used_model else self.lookup.report
 
     _used_model = False
 
-    def start(self, prompt: list[int], seq: int = 0) -> None:
-        self.model.start(prompt, seq)
+    def begin(self, prompt: list[int], seq: int = 0) -> None:
+        self.model.begin(prompt, seq)
 
-    def sync(self, tokens: list[int], seq: int = 0) -> None:
-        self.model.sync(tokens, seq)
+    def observe(self, step: StepReport) -> None:
+        self.model.observe(step)
+
+    def end(self, seq: int = 0) -> None:
+        self.model.end(seq)
 
     def propose(self, rows: list[Row], ks: list[int]) -> list[tuple[list[int], np.ndarray | None]]:
         k_lookup = k_model = None

@@ -13,6 +13,31 @@ from specdec_rt.runtime.sampling import SamplingParams
 from specdec_rt.runtime.stats import GenerationStats
 
 
+@dataclass
+class DraftReport:
+    """How a drafter's last :meth:`~Drafter.propose` went, for the K policies' cost learning:
+    ``seconds`` spent, the share of it in the first draft call (``first_call_share``; None: not
+    measured or nothing drafted), and whether it caught up more than a step's tokens
+    (``long_catch_up``: a prompt or a re-entry after steps without drafting; prefill work, not
+    what a drafting step costs, so the policies learn nothing from that step)."""
+
+    seconds: float = 0.0
+    first_call_share: float | None = None
+    long_catch_up: bool = False
+
+
+@dataclass
+class StepReport:
+    """What verification did to one row's proposal, passed back to the drafter: ``tokens`` are
+    the row's committed tokens followed by any look-ahead still valid (overlap), ``proposed``
+    and ``accepted`` count this step's drafts."""
+
+    seq: int
+    tokens: list[int]
+    proposed: int = 0
+    accepted: int = 0
+
+
 WAIT = object()
 """A row source (:func:`run_batch`'s ``rows``) may yield ``WAIT``: no row to admit now, ask again
 after the next step (a server's queue that is empty while rows are decoding)."""
@@ -111,12 +136,12 @@ class StepClock:
         return sum(e.model_time for e in self.engines)
 
     def commit(self, stats: GenerationStats, tokens: list[int], new: list[int], drafter, seq: int = 0,
-               ahead: list[int] | None = None) -> None:
-        """Append one step's tokens, let the drafter catch up (keeping what it drafted ``ahead``
-        of them), refresh the stats."""
+               ahead: list[int] | None = None, proposed: int = 0, accepted: int = 0) -> None:
+        """Append one step's tokens, tell the drafter what verification kept (with what it drafted
+        ``ahead`` of them), refresh the stats."""
         tokens.extend(new)
         if drafter is not None:
-            drafter.sync(tokens + ahead if ahead else tokens, seq)
+            drafter.observe(StepReport(seq, tokens + ahead if ahead else tokens, proposed, accepted))
         stats.new_tokens += len(new)
         stats.time_total = time.perf_counter() - self.t_start
         stats.time_in_models = self._model_time() - self.model_t0

@@ -68,7 +68,7 @@ def prefill(target: OrtEngine, drafter, prompt: list[int], params: SamplingParam
     target.reset(seq)
     tokens = list(prompt) + [_pick(target.extend(prompt, seq=seq), params, rng)]
     if drafter is not None:
-        drafter.start(prompt, seq)
+        drafter.begin(prompt, seq)
     stats.time_prefill = stats.time_total = time.perf_counter() - t_start
     stats.new_tokens = 1
     return tokens
@@ -196,7 +196,7 @@ def _step(target: OrtEngine, drafter: Drafter | None, rows: list[Row], k: int,
         new = clip_new_tokens(drafts[:n_acc] + [nxt], r.cfg.max_new_tokens - r.generated, eos)
         if len(new) <= n_acc:  # cut at the budget or an EOS: the row ends, nothing lies ahead
             r.drop_ahead(len(r.ahead))
-        r.clock.commit(stats, r.tokens, new, drafter, r.seq, r.ahead)
+        r.clock.commit(stats, r.tokens, new, drafter, r.seq, r.ahead, len(drafts), n_acc)
         if new[-1] in eos:
             r.finished = "eos"
         elif r.generated >= r.cfg.max_new_tokens:
@@ -204,9 +204,10 @@ def _step(target: OrtEngine, drafter: Drafter | None, rows: list[Row], k: int,
         elif target.lengths[r.seq] + 1 >= target.max_len:
             r.finished = "context"
         out.append(new)
-    if observe is not None and not getattr(drafter, "caught_up_prompt", False):
+    report = drafter.report if drafter is not None else None
+    if observe is not None and not (report is not None and report.long_catch_up):
         observe(max(len(d) for d, _ in proposals), policy.clock() - step_t0, len(rows), draft_seconds=draft_seconds,
-                verify_seconds=verify_seconds, first_draft_share=getattr(drafter, "first_call_share", None))
+                verify_seconds=verify_seconds, first_draft_share=None if report is None else report.first_call_share)
     return out
 
 
@@ -246,6 +247,10 @@ class BatchLoop:
 
     def release(self) -> None:
         """Finished rows (by the loop, or marked by the consumer) leave and free their sequences."""
+        if self.drafter is not None:
+            for row in self.active:
+                if row.finished:
+                    self.drafter.end(row.seq)
         self.active = _leave(self.active, self.free)
 
     def step(self) -> list[tuple[Row, list[int]]]:
@@ -295,6 +300,15 @@ def run_batch(target: OrtEngine, drafter: Drafter | None, rows: Iterable[Row], m
             continue
         yield from loop.step()
         loop.release()
+
+
+def _leave(active: list[Row], free: list[int]) -> list[Row]:
+    """Finished rows give their cache sequences back; returns the rows still decoding."""
+    for row in active:
+        if row.finished:
+            free.append(row.seq)
+    free.sort(reverse=True)
+    return [r for r in active if not r.finished]
 
 
 def run_chain(target: OrtEngine, drafter: Drafter | None, prompt: list[int], cfg: LoopConfig,

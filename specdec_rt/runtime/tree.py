@@ -24,7 +24,7 @@ from typing import Iterator
 
 import numpy as np
 
-from specdec_rt.runtime.drafters import BATCH_CATCH_UP, ModelDrafter
+from specdec_rt.runtime.drafters import BATCH_CATCH_UP, DraftReport, ModelDrafter
 from specdec_rt.runtime.engine import OrtEngine
 from specdec_rt.runtime.masks import NEG_INF, causal_mask, tree_mask
 from specdec_rt.runtime.sampling import SamplingParams, probabilities, sample
@@ -302,14 +302,13 @@ class TemplateDrafter:
     tokens from q as it has children (rank r = draw r), as :class:`TreeDrafter` does.
 
     A chain template runs on the draft's one-token fast path and its drafted tokens stay in the
-    draft's cache (the next :meth:`ModelDrafter.sync` rolls back what the target rejected),
+    draft's cache (the next :meth:`ModelDrafter.observe` rolls back what the target rejected),
     exactly like the chain loop; a branching template runs in a tree region that is rolled back.
     """
 
     def __init__(self, drafter: ModelDrafter) -> None:
         self.d = drafter
-        self.first_call_share: float | None = None  # as ModelDrafter's, for the shape policy
-        self.caught_up_prompt = False  # as ModelDrafter's
+        self.report = DraftReport()  # as ModelDrafter's, for the shape policy
 
     def build(self, tokens: list[int], tpl: Template, params: SamplingParams, rng: np.random.Generator):
         """Returns (ids [n], top [n, 2] (greedy; -1 where not expanded), q per node or None,
@@ -325,8 +324,8 @@ class TemplateDrafter:
             return ids, top, qs, draws
         t0 = time.perf_counter()
         pending = d.unseen(tokens)
-        # fresh, restarted or a long gap: the catch-up is prefill (ModelDrafter.caught_up_prompt)
-        self.caught_up_prompt = not d.seen() or len(pending) > BATCH_CATCH_UP
+        # fresh, restarted or a long gap: the catch-up is prefill (DraftReport.long_catch_up)
+        long_catch_up = not d.seen() or len(pending) > BATCH_CATCH_UP
         row = d.advance(pending)  # catch up; the root's row
         first = time.perf_counter() - t0
         fill = self._fill_greedy if greedy else self._fill_sampled
@@ -335,7 +334,8 @@ class TemplateDrafter:
                 fill(tpl, [depth - 1], row[None, :], ids, top, qs, draws, params, rng)
                 if depth < n - 1:
                     row = d.advance([int(ids[depth])])
-            self.first_call_share = first / (time.perf_counter() - t0)
+            self.report = DraftReport(time.perf_counter() - t0, None, long_catch_up)
+            self.report.first_call_share = first / self.report.seconds if self.report.seconds > 0 else None
             return ids, top, qs, draws
         fill(tpl, [0], row[None, :], ids, top, qs, draws, params, rng)
         base = eng.length  # committed draft prefix incl. the root
@@ -356,7 +356,8 @@ class TemplateDrafter:
             d.calls += 1
             fill(tpl, nodes, logits, ids, top, qs, draws, params, rng)
         eng.rollback(base)  # tree nodes never enter the draft's committed cache
-        self.first_call_share = first / (time.perf_counter() - t0)
+        self.report = DraftReport(time.perf_counter() - t0, None, long_catch_up)
+        self.report.first_call_share = first / self.report.seconds if self.report.seconds > 0 else None
         return ids, top, qs, draws
 
     @staticmethod
@@ -485,7 +486,7 @@ def run_tree(target: OrtEngine, drafter: ModelDrafter, prompt: list[int], cfg: L
         stats.record(int(depth.max()), n_acc)
         stats.draft_lengths.append(len(tree) - 1)
         new = clip_new_tokens([tree[i].token for i in path[1:]] + [nxt], cfg.max_new_tokens - generated, eos)
-        clock.commit(stats, tokens, new, drafter)
+        clock.commit(stats, tokens, new, drafter, proposed=len(tree) - 1, accepted=n_acc)
         yield new
         if new[-1] in eos:
             return
@@ -576,11 +577,12 @@ def _run_templates(target: OrtEngine, drafter: ModelDrafter, tokens: list[int], 
             stats.record(tpl.max_depth, n_acc)
         stats.draft_lengths.append(n - 1)
         new = clip_new_tokens([int(ids[i]) for i in path[1:]] + [nxt_tok], cfg.max_new_tokens - generated, eos)
-        clock.commit(stats, tokens, new, drafter)
+        clock.commit(stats, tokens, new, drafter, proposed=n - 1, accepted=n_acc)
         # calibrates the shape model to this machine (not from a step that caught up a prompt)
         # (a root-only step drafts nothing, and observe_step learns nothing from it)
-        if not dr.caught_up_prompt:
-            policy.observe_step(tpl, policy.clock() - step_t0, draft_seconds, verify_seconds, dr.first_call_share)
+        if not dr.report.long_catch_up:
+            policy.observe_step(tpl, policy.clock() - step_t0, draft_seconds, verify_seconds,
+                                dr.report.first_call_share)
         yield new
         if new[-1] in eos:
             return

@@ -194,7 +194,7 @@ class SpecdecAPI:
                 prompt = ids
             else:
                 prompt = req.prompt
-            return self.gen._prompt_ids(prompt)
+            return self.gen.encode_prompt(prompt)
         except ContextOverflowError as exc:
             raise P.bad(str(exc), "messages" if req.kind == "chat" else "prompt", "context_length_exceeded") from None
         except USER_ERRORS as exc:
@@ -356,7 +356,7 @@ class SpecdecAPI:
         if args["drafter"] == "default":
             args["drafter"] = self.defaults["drafter"]
         try:
-            ids = await self.off_loop(self.gen._prompt_ids, prompt)
+            ids = await self.off_loop(self.gen.encode_prompt, prompt)
             job = self.submit(GenSpec(ids, args, self.config.request_timeout))
         except USER_ERRORS as exc:
             return legacy_error(400, str(exc))
