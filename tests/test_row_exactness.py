@@ -54,7 +54,7 @@ def _rows(engine, prompt, path, side):
     """Logits rows of ``path`` computed one token at a time, as a chain, and inside a tree whose
     backbone is ``path`` with a sibling (from ``side``) at every depth, interleaved (holes)."""
     from specdec_rt.runtime.masks import causal_mask, tree_mask
-    from specdec_rt.runtime.tree import _Node, _tree_visibility
+    from specdec_rt.runtime.tree import TreeNode as _Node, tree_visibility as _tree_visibility
 
     n = len(prompt)
     engine.reset()

@@ -473,18 +473,20 @@ def test_disconnect_while_queued(tiny_pair, sched):
 @pytest.mark.parametrize("sched", SCHEDULERS)
 def test_deadline_is_a_clean_error(tiny_pair, sched):
     with serve(tiny_pair["bundle"], scheduler=sched) as (url, app):
-        body = {**LONG, "stream": False, "specdec": {"drafter": "none", "timeout": 0.02}}
+        body = {**LONG, "stream": False, "specdec": {"drafter": "none", "timeout": 0.008}}
         r = httpx.post(url + "/v1/completions", json=body)
         assert r.status_code == 504, r.text
         assert r.json()["error"]["code"] == "deadline_exceeded" and r.json()["error"]["type"] == "timeout_error"
         _wait_idle(url)
         m = metrics(url)
         assert m[("specdec:request_success_total", (("finished_reason", "deadline"),))] == 1
-        with client(url) as c:  # streamed: the error arrives in-band after the first chunks
+        # streamed: the error arrives in-band after the first chunks (the tiny pair's context of 64
+        # positions ends a generation in ~20 ms on a quiet machine: the deadline must come sooner)
+        with client(url) as c:
             with pytest.raises(openai.APIError, match="deadline"):
                 for _ in c.completions.create(model="tiny", prompt="def f(", max_tokens=240, stream=True,
                                               extra_body={"ignore_eos": True,
-                                                          "specdec": {"drafter": "none", "timeout": 0.05}}):
+                                                          "specdec": {"drafter": "none", "timeout": 0.008}}):
                     pass
         assert httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
 

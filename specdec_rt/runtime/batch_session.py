@@ -11,9 +11,11 @@ from typing import Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 
+from specdec_rt.errors import ContextOverflowError, GenerationInputError
 from specdec_rt.runtime.memory import peak_rss_bytes, reset_peak_rss
 from specdec_rt.runtime.requests import RowRequest, SpeculationConfig
 from specdec_rt.runtime.rows import WAIT, Row
+from specdec_rt.runtime.sampling import SamplingParamsError
 from specdec_rt.runtime.speculative import BatchLoop
 from specdec_rt.runtime.stats import BatchStats, GenerationStats
 from specdec_rt.runtime.text_output import GenerationResult, TextAssembler, finish_reason
@@ -86,7 +88,6 @@ class BatchSession:
         gen, p = self.gen, self.plan
         ids = gen.encode_prompt(request.prompt)
         cfg = request.loop_config(gen.generation_defaults, gen.eos_token_ids)
-        cfg.num_draft_tokens = p.k
         stats = GenerationStats(drafter=None if p.drafter is None else p.drafter.name, speculation="chain",
                                 num_draft_tokens=self.config.num_draft_tokens, overlap=p.overlapped)
         stats.prompt_tokens = len(ids)
@@ -204,6 +205,37 @@ class BatchStream:
         self.stats.prompts = len(rows)
         self.stats.errors = sum(r is None for r in rows)
         self._events = self._run()
+
+    @classmethod
+    def from_prompts(cls, session: BatchSession, prompts: Sequence, defaults: dict) -> BatchStream:
+        """A stream over ``prompts`` (text, token ids, or ``{"prompt": ..., <argument>: value}``
+        dicts overriding ``defaults``); a prompt whose input is bad gets a result with
+        ``finish_reason="error"`` and its message, and the others run."""
+        rows: list[SessionRow | None] = []
+        results: list[GenerationResult] = []
+        for i, item in enumerate(prompts):
+            try:
+                opts = dict(defaults)
+                if isinstance(item, dict):
+                    unknown = sorted(set(item) - {"prompt", *defaults})
+                    if unknown or "prompt" not in item:
+                        raise GenerationInputError(
+                            f"a prompt dict needs 'prompt' and may set {', '.join(defaults)}"
+                            + (f"; unknown: {', '.join(unknown)}" if unknown else ""))
+                    opts.update((key, v) for key, v in item.items() if key != "prompt")
+                    item = item["prompt"]
+                srow = session.prepare(RowRequest(item, **opts), i)
+            except (GenerationInputError, ContextOverflowError, SamplingParamsError) as exc:
+                p = session.plan
+                stats = GenerationStats(drafter=None if p.drafter is None else p.drafter.name, speculation="chain",
+                                        num_draft_tokens=session.config.num_draft_tokens, overlap=p.overlapped)
+                results.append(GenerationResult("", [], stats, finish_reason="error",
+                                                error=f"{type(exc).__name__}: {exc}"))
+                rows.append(None)
+                continue
+            results.append(srow.result)
+            rows.append(srow)
+        return cls(session, rows, results)
 
     @property
     def texts(self) -> list[TextAssembler | None]:

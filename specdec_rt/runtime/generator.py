@@ -11,57 +11,25 @@ import numpy as np
 from specdec_rt.errors import ChatTemplateError, ContextOverflowError, GenerationInputError  # noqa: F401 - re-exported here
 from specdec_rt.runtime.bundle import Bundle, BundleError, load_bundle
 from specdec_rt.runtime.chat import NO_TEMPLATE, ChatTemplate
-from specdec_rt.runtime.batch_session import BatchSession, BatchStream, SessionRow
-from specdec_rt.runtime.drafters import DRAFT_CONTEXT, ModelDrafter
+from specdec_rt.runtime.batch_session import BatchSession, BatchStream
+from specdec_rt.runtime.drafters import DRAFT_CONTEXT
 from specdec_rt.runtime.factory import make_engine
 from specdec_rt.runtime.gen_config import GenerationDefaults
+from specdec_rt.runtime.limits import (DEFAULT_CONTEXT, DEFAULT_MAX_BATCH, prompt_token_ids,  # noqa: F401 - re-exported
+                                       resolve_context, resolve_max_batch)
 from specdec_rt.runtime.memory import peak_rss_bytes, reset_peak_rss
 from specdec_rt.runtime.overlap import VerifyThread
 from specdec_rt.runtime.planning import SpeculationPlan, plan_speculation
 from specdec_rt.runtime.policy_store import PolicyStore
 from specdec_rt.runtime.requests import DRAFTERS, RowRequest, SpeculationConfig  # noqa: F401 - DRAFTERS re-exported
 from specdec_rt.runtime.probes import probe_batch_invariance, probe_row_invariance
-from specdec_rt.runtime.sampling import SamplingParamsError
+from specdec_rt.runtime.sampling import SamplingParamsError  # noqa: F401 - re-exported
 from specdec_rt.runtime.sessions import shared_pool_in_use
 from specdec_rt.runtime.speculative import run_chain
 from specdec_rt.runtime.stats import BatchStats, GenerationStats  # noqa: F401 - BatchStats re-exported
+from specdec_rt.runtime.tree import tree_generation
 from specdec_rt.runtime.text_output import GenerationResult, TextAssembler, finish_reason
 from specdec_rt.runtime.tokenizer import TextTokenizer
-
-DEFAULT_CONTEXT = 4096
-
-
-DEFAULT_MAX_BATCH = 8
-
-
-def resolve_max_batch(requested: int | None, provider: str, draft_provider: str | None) -> int:
-    """Sequences the K/V caches hold for batched decoding: what was asked, else 8 on the CPU
-    provider (host buffers from calloc: unused sequences cost no resident memory) and 1 on GPU
-    providers (batched calls run on the CPU provider only in this version)."""
-    cpu = all(p is None or p.lower() == "cpu" for p in (provider, draft_provider))
-    if requested is None:
-        return DEFAULT_MAX_BATCH if cpu else 1
-    if isinstance(requested, bool) or not isinstance(requested, (int, np.integer)) or requested < 1:
-        raise GenerationInputError(f"max_batch must be an integer >= 1, got {requested!r}")
-    return int(requested)
-
-
-def resolve_context(bundle_max: int, requested: int | None) -> int:
-    """Positions to preallocate K/V for: what was asked, else min(bundle maximum, 4096).
-
-    The cache costs 2 x layers x kv_heads x head_dim x dtype bytes per position (a 128k-context
-    1.5B model would take ~3.5 GB of float32 K/V), so the model's maximum is never the default.
-    """
-    if requested is None:
-        return min(bundle_max, DEFAULT_CONTEXT)
-    if isinstance(requested, bool) or not isinstance(requested, (int, np.integer)) or requested < 2:
-        raise GenerationInputError(f"max_context must be an integer >= 2, got {requested!r}")
-    if requested > bundle_max:
-        raise GenerationInputError(
-            f"max_context {requested} exceeds the bundle's context of {bundle_max} tokens "
-            "(re-export with a larger specdec-export --max-context)")
-    return int(requested)
-
 
 class Generator:
     """A loaded bundle: target engine, optional draft engine, tokenizer."""
@@ -129,30 +97,7 @@ class Generator:
     def encode_prompt(self, prompt: str | Sequence[int] | np.ndarray) -> list[int]:
         """The prompt's token ids as a generation runs them, validated: text is encoded, ids are
         checked against the vocabulary, and the prompt must leave room in the context."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise GenerationInputError("the prompt is empty")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            arr = np.asarray(prompt)
-            if arr.ndim != 1:
-                raise GenerationInputError(f"token ids must be one sequence, got shape {arr.shape}")
-            if arr.size and arr.dtype.kind not in "iu":
-                raise GenerationInputError(f"token ids must be integers, got dtype {arr.dtype}")
-            ids = [int(t) for t in arr]
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise GenerationInputError(
-                    f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if not ids:
-            raise GenerationInputError("the prompt is empty (no tokens)")
-        if len(ids) >= self.max_length:
-            raise ContextOverflowError(
-                f"the prompt has {len(ids)} tokens but the context is {self.max_length}; "
-                "shorten the prompt (at least one position must remain for generation)"
-                + (f" or raise max_context (the bundle allows {self.bundle.max_context})"
-                   if self.max_length < self.bundle.max_context else ""))
-        return ids
+        return prompt_token_ids(prompt, self.tokenizer, self.vocab_size, self.max_length, self.bundle.max_context)
 
     def speculation_plan(self, config: SpeculationConfig, width: int = 1) -> SpeculationPlan:
         """What a generation of ``width`` sequences with ``config`` runs: drafter, K or policy, and
@@ -171,8 +116,8 @@ class Generator:
         """One sequence's committed tokens, step by step (chain or tree)."""
         cfg = request.loop_config(self.generation_defaults, self.eos_token_ids)
         plan = self.speculation_plan(config)
-        cfg.num_draft_tokens, cfg.policy, d, verify_thread = plan.k, plan.policy, plan.drafter, plan.verify_thread
-        num_draft_tokens, speculation, tree_shape = config.num_draft_tokens, config.speculation, config.tree_shape
+        d = plan.drafter
+        num_draft_tokens, speculation = config.num_draft_tokens, config.speculation
         stats.overlap = plan.overlapped
         stats.prompt_tokens = len(prompt_ids)
         stats.drafter = None if d is None else d.name
@@ -180,27 +125,10 @@ class Generator:
         stats.num_draft_tokens = num_draft_tokens
         rng = np.random.default_rng(request.seed)
         if speculation == "chain":
-            inner = run_chain(self.target, d, prompt_ids, cfg, rng, stats, verify_thread)
-        elif speculation == "tree":
-            from specdec_rt.runtime.tree import FixedTemplate, Template, TreeShape, run_tree
-
-            if not isinstance(d, ModelDrafter):
-                raise GenerationInputError("speculation='tree' needs drafter='model'")
-            if not self.exact_trees:
-                raise GenerationInputError(
-                    "this bundle's target sums attention in float32 (exported with --portable, "
-                    "--target-attention native or fused, or by an older specdec-rt), so tree verification would not be token-identical to "
-                    "target-only decoding; use speculation='chain' or re-export with --target-attention fp64")
-            if isinstance(tree_shape, Template):
-                inner = run_tree(self.target, d, prompt_ids, cfg, rng, stats, policy=FixedTemplate(tree_shape))
-            elif config.auto and tree_shape is None:
-                # the shape policy: budget, depth and width per step from the cost model and
-                # the running acceptance estimates (a chain where branches do not pay)
-                inner = run_tree(self.target, d, prompt_ids, cfg, rng, stats, policy=self.policies.tree())
-            else:
-                budget = 15 if config.auto else max(1, int(num_draft_tokens))
-                shape = tree_shape or TreeShape.for_budget(budget)
-                inner = run_tree(self.target, d, prompt_ids, cfg, rng, stats, shape)
+            inner = run_chain(self.target, d, prompt_ids, cfg, rng, stats, plan.k, plan.policy, plan.verify_thread)
+        else:
+            inner = tree_generation(self.target, d, prompt_ids, cfg, rng, stats, config, self.policies,
+                                    self.exact_trees)
         reset_peak_rss()
         try:
             yield from inner
@@ -267,7 +195,7 @@ class Generator:
         ``generation_config.json`` sets ``do_sample``); ``temperature=0`` forces greedy. With
         ``speculation="tree"``, ``num_draft_tokens`` is the tree's node budget (default shape from
         :meth:`TreeShape.for_budget`; pass ``tree_shape`` to override it); ``"auto"`` lets
-        :class:`~specdec_rt.runtime.policy.TreePolicy` choose the shape per step (a chain where
+        :class:`~specdec_rt.runtime.tree_policy.TreePolicy` choose the shape per step (a chain where
         side branches do not pay). ``overlap``: see :meth:`stream`.
         """
         result = GenerationResult("", [], GenerationStats())
@@ -321,31 +249,7 @@ class Generator:
         session = BatchSession(self, SpeculationConfig(num_draft_tokens, drafter, "chain", overlap), width)
         defaults = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                         seed=seed, stop=stop, do_sample=do_sample, ignore_eos=ignore_eos)
-        rows: list[SessionRow | None] = []
-        results: list[GenerationResult] = []
-        for i, item in enumerate(prompts):
-            try:
-                opts = dict(defaults)
-                if isinstance(item, dict):
-                    unknown = sorted(set(item) - {"prompt", *defaults})
-                    if unknown or "prompt" not in item:
-                        raise GenerationInputError(
-                            f"a prompt dict needs 'prompt' and may set {', '.join(defaults)}"
-                            + (f"; unknown: {', '.join(unknown)}" if unknown else ""))
-                    opts.update((key, v) for key, v in item.items() if key != "prompt")
-                    item = item["prompt"]
-                srow = session.prepare(RowRequest(item, **opts), i)
-            except (GenerationInputError, ContextOverflowError, SamplingParamsError) as exc:
-                p = session.plan
-                stats = GenerationStats(drafter=None if p.drafter is None else p.drafter.name, speculation="chain",
-                                        num_draft_tokens=num_draft_tokens, overlap=p.overlapped)
-                res = GenerationResult("", [], stats, finish_reason="error", error=f"{type(exc).__name__}: {exc}")
-                results.append(res)
-                rows.append(None)
-                continue
-            results.append(srow.result)
-            rows.append(srow)
-        return BatchStream(session, rows, results)
+        return BatchStream.from_prompts(session, prompts, defaults)
 
     def generate_batch(self, prompts: Sequence, max_new_tokens: int = 128, *, batch_size: int | None = None,
                        temperature: float | None = None, top_k: int | None = None,

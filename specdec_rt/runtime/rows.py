@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -44,21 +44,29 @@ after the next step (a server's queue that is empty while rows are decoding)."""
 
 
 class DraftLengthPolicy(Protocol):
-    """Chooses K for each step of a batch of ``width`` rows; learns from every row's outcome."""
+    """Chooses K for each step of a batch of ``width`` rows; learns from every row's outcome
+    (:meth:`observe`) and from what each whole step cost on its ``clock`` (:meth:`observe_step`:
+    the in-loop calibration of its cost model)."""
+
+    clock: Callable[[], float]
 
     def choose(self, width: int) -> int: ...
 
     def observe(self, proposed: int, accepted: int) -> None: ...
 
+    def observe_step(self, k: int, seconds: float, width: int = 1, draft_seconds: float | None = None,
+                     verify_seconds: float | None = None, first_draft_share: float | None = None) -> None: ...
+
 
 @dataclass
 class LoopConfig:
+    """What one row was asked (budget, sampling, EOS): K and its policy are the loop's, one
+    value for every row of a step (:class:`~specdec_rt.runtime.speculative.BatchLoop`)."""
+
     max_new_tokens: int
     params: SamplingParams
-    num_draft_tokens: int = 4
     eos_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    policy: DraftLengthPolicy | None = None
 
 
 @dataclass

@@ -144,7 +144,7 @@ def _step(target: OrtEngine, drafter: Drafter | None, rows: list[Row], k: int,
     ks = [max(0, min(k, r.cfg.max_new_tokens - r.generated - 1, target.max_len - target.lengths[r.seq] - 1))
           for r in rows]
     proposals: list[tuple[list[int], np.ndarray | None]] = [([], None)] * len(rows)
-    observe = getattr(policy, "observe_step", None)  # calibrates the policy to what steps cost here
+    observe = None if policy is None else policy.observe_step  # calibrates the policy to what steps cost here
     step_t0 = policy.clock() if observe is not None else 0.0
     draft_seconds = None  # on the policy's clock, for its in-loop draft cost (sequential steps)
     if drafter is not None and any(ks):
@@ -312,12 +312,13 @@ def _leave(active: list[Row], free: list[int]) -> list[Row]:
 
 
 def run_chain(target: OrtEngine, drafter: Drafter | None, prompt: list[int], cfg: LoopConfig,
-              rng: np.random.Generator, stats: GenerationStats,
+              rng: np.random.Generator, stats: GenerationStats, num_draft_tokens: int = 4,
+              policy: DraftLengthPolicy | None = None,
               overlap: VerifyThread | None = None) -> Iterator[list[int]]:
     """One sequence: a batch of one row. Yield lists of newly committed token ids, one list per
-    target call."""
+    target call. K is ``policy.choose(1)`` per step, else ``num_draft_tokens``."""
     row = Row(prompt, cfg, rng, stats)
-    for _, new in run_batch(target, drafter, [row], 1, cfg.num_draft_tokens, cfg.policy, overlap=overlap):
+    for _, new in run_batch(target, drafter, [row], 1, num_draft_tokens, policy, overlap=overlap):
         if row.error is not None:
             raise row.error
         yield new

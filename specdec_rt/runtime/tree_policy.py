@@ -14,6 +14,7 @@ import numpy as np
 
 from specdec_rt.runtime.cost_model import (CostModel, chain_drafting, expected_chain_tokens, first_call_scale,
                                            learn_drafting, learn_scale)
+from specdec_rt.runtime.tree_shapes import Template
 
 
 
@@ -153,9 +154,7 @@ class TreePolicy:
         else:
             self.tree_overhead = 0.95 * self.tree_overhead + 0.05 * residual
 
-    def template(self, parents: tuple, ranks: tuple):
-        from specdec_rt.runtime.tree import Template
-
+    def template(self, parents: tuple, ranks: tuple) -> Template:
         key = (tuple(parents), tuple(ranks))
         tpl = self._templates.get(key)
         if tpl is None:
