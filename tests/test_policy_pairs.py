@@ -265,3 +265,40 @@ def test_brief_drafting_does_not_reset_the_probe_back_off():
     for _ in range(policy.probe_every):
         assert policy.choose() > 0
     assert policy._backoff == 1  # drafting paid for probe_every steps: probes are frequent again
+
+
+def test_plain_steps_teach_the_context_cost_that_flattens_verification():
+    """The cost model's T(S) is measured over a short past; at a long context every call costs
+    a fixed extra that does not grow with S. Steps without drafting teach it (plain_offset), so
+    T(2)/T(1) at this context is priced right and a K = 1 that pays is taken; drafting steps
+    then learn target_scale over T(K + 1) + plain_offset (no double count)."""
+    cost = CostModel([1.0 + 0.23 * s for s in range(16)], 0.0)  # T(2)/T(1) = 1.23 when measured
+    policy = AdaptivePolicy(cost, accept=[0.18] * 12)
+    assert policy.best_k() == 0  # 1.18 tokens for 1.23 T(1): does not pay at the measured ratio
+    for _ in range(100):  # plain calls take 1.5 T(1) at this context: T(2)/T(1) is really 1.73/1.5
+        policy.observe_step(0, 1.5, verify_seconds=1.5)
+    assert 0.49 < policy.plain_offset <= 0.5 and policy.target_scale == 1.0
+    assert policy.best_k() == 1
+    for _ in range(200):  # drafting steps verify at exactly T(2) + the offset: the scale stays 1
+        policy.observe_step(1, 1.73, verify_seconds=1.73, draft_seconds=0.0)
+    assert policy.target_scale == pytest.approx(1.0, abs=0.01)
+
+
+def test_free_drafting_restarts_per_generation_and_probes_often():
+    """Prompt lookup (drafting costs nothing) learns per prompt: a new generation restarts its
+    estimates from the prior and its probes are single steps at most every 32 steps; a draft
+    model's policy keeps what it learned and backs off up to 32x (its probes cost a catch-up)."""
+    lookup = AdaptivePolicy(CostModel([1.0 + 0.23 * s for s in range(16)], 0.0))
+    model = AdaptivePolicy(CostModel([1.0 + 0.23 * s for s in range(16)], 0.3))
+    for policy in (lookup, model):
+        for _ in range(60):
+            policy.update(2, 0)  # misses everywhere: drafting stops paying
+        assert policy.best_k() == 0
+    ks = [lookup.choose() for _ in range(400)]
+    probes = [i for i, k in enumerate(ks) if k]
+    assert probes and max(b - a for a, b in zip(probes, probes[1:])) <= 33
+    assert all(ks[i + 1] == 0 for i in probes if i + 1 < len(ks))  # one-step probes
+    lookup.start()
+    model.start()
+    assert lookup.accept == [lookup.prior] * lookup.k_max and lookup.best_k() > 0
+    assert max(model.accept) < 0.1 and model.best_k() == 0

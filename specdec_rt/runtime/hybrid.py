@@ -55,8 +55,12 @@ class HybridPolicy:
             self._policy(self.sources.popleft()).observe(proposed, accepted)
 
     def observe_step(self, k: int, seconds: float, width: int = 1, **measured) -> None:
-        """A step's cost teaches the source that drafted it (steps mixing both teach nothing)."""
-        if self.step_source is not None:
+        """A step's cost teaches the source that drafted it (steps mixing both teach nothing); a
+        step without drafting teaches both what a plain call costs at this context."""
+        if k <= 0:
+            self.lookup.observe_step(k, seconds, width, **measured)
+            self.model.observe_step(k, seconds, width, **measured)
+        elif self.step_source is not None:
             self._policy(self.step_source).observe_step(k, seconds, width, **measured)
 
 

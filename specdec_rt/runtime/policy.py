@@ -76,7 +76,14 @@ class AdaptivePolicy:
     # 2-3x c on an int8 self-draft pair); priced per drafting step, not per drafted token, it no
     # longer makes long blocks look dear (there "auto" had settled at K ~5 where K = 10 was best)
     first_draft_scale: float | None = None
-    target_scale: float = 1.0  # the same for the verify call (EMA of its time / T(K + 1))
+    target_scale: float = 1.0  # the same for the verify call (EMA of its time / (T(K + 1) + plain_offset))
+    # per-call target time the micro-benchmark misses at this generation's context, the same for
+    # every S (EMA of a K = 0 step's verify time - T(1)): the cost model's T(S) is measured over a
+    # short past, and a long prompt adds a per-call cost (the attention's copy of the past) that
+    # does not grow with S. As a scale it made T(2)/T(1) look like 1.23 where it was ~1.1 at
+    # ~700 positions on the Qwen2.5-Coder int4 target, and "auto" never drafted with prompt
+    # lookup where K = 1 paid 1.04-1.65x in every category
+    plain_offset: float = 0.0
     clock: object = time.perf_counter  # the cost model's clock, for observe_step's timings
     _idle: int = 0
     _backoff: int = 1  # probe interval multiplier while K = 0
@@ -89,6 +96,26 @@ class AdaptivePolicy:
     def __post_init__(self) -> None:
         if not self.accept:
             self.accept = [self.prior] * self.k_max
+
+    @property
+    def free_drafting(self) -> bool:
+        """Proposals cost no model call (prompt lookup): a probe costs only a wider verify call."""
+        return self.cost.draft(1) <= 0.0
+
+    def start(self) -> None:
+        """A new generation. Prompt lookup's acceptance is the prompt's (0.1 on writing, 0.8 on
+        summarization on the Qwen2.5-Coder pair), not the pair's: its estimates restart from the
+        prior, which costs a few wider verify calls where lookup does not pay and finds the
+        1.6-1.8x of summarization that estimates carried over from other prompts hid (they had
+        settled at K = 0 with the probes backed off). A drafter with a cost (a draft model) keeps
+        its estimates and back-off: its acceptance is mostly the pair's, and a probe costs a
+        catch-up."""
+        if not self.free_drafting:
+            return
+        self.accept = [self.prior] * self.k_max
+        self._tested = 0
+        self._idle = self._probing = self._paying = 0
+        self._backoff = 1
 
     def set_cost(self, cost: CostModel) -> None:
         """Decide from ``cost`` from now on (e.g. the same figures with more batch widths
@@ -106,7 +133,7 @@ class AdaptivePolicy:
         drafting = chain_drafting(self, k, self.cost.draft(width))
         if self.overlap:
             drafting *= 1.0 - hit_probability(self.accept, k)
-        return drafting + self.cost.target(k + 1, width) * self.target_scale
+        return drafting + (self.cost.target(k + 1, width) + self.plain_offset) * self.target_scale
 
     def best_k(self, width: int = 1) -> int:
         """The K maximising expected tokens per second for a batch of ``width`` sequences (each
@@ -121,7 +148,7 @@ class AdaptivePolicy:
         drafting = chain_drafting(self, ks, c)
         if self.overlap:  # drafting only when the last look-ahead missed (hit_probability)
             drafting = drafting * (1.0 - np.cumprod(self.accept)[np.minimum(ks, self.k_max - 1)])
-        times = drafting + targets * self.target_scale + self.step_overhead * (ks > 0)
+        times = drafting + (targets + self.plain_offset) * self.target_scale + self.step_overhead * (ks > 0)
         return int(np.argmax(tokens / times))
 
     def _costs_at(self, width: int) -> tuple[float, np.ndarray]:
@@ -157,12 +184,18 @@ class AdaptivePolicy:
         in its first call (None: not reported): fold those into :attr:`first_draft_scale`,
         :attr:`draft_scale` and :attr:`target_scale` (clipped) and what the model still misses into
         :attr:`step_overhead` (clipped to [0, 2 T(1)]), so one descheduled step cannot swamp
-        any of them."""
-        if k <= 0:  # no drafting, no model switch: nothing to learn about drafting steps
+        any of them. A step without drafting teaches only :attr:`plain_offset` (its verify call is
+        T(1) plus what the context adds; clipped to [-T(1) / 2, 4 T(1)])."""
+        if k <= 0:  # no drafting, no model switch: only the plain call's cost at this context
+            if verify_seconds is not None:
+                t1 = self.cost.target(1, width)
+                extra = min(max(verify_seconds / self.target_scale - t1, -0.5 * t1), 4.0 * t1)
+                self.plain_offset = 0.9 * self.plain_offset + 0.1 * extra
             return
         c = self.cost.draft(width)
         learn_drafting(self, draft_seconds, first_draft_share, c, (k - 1) * c)
-        self.target_scale = learn_scale(self.target_scale, verify_seconds, self.cost.target(k + 1, width))
+        self.target_scale = learn_scale(self.target_scale, verify_seconds,
+                                        self.cost.target(k + 1, width) + self.plain_offset)
         t1 = self.cost.target(1, width)
         residual = min(max(seconds - self.model_step_time(k, width), 0.0), 2.0 * t1)  # per step: no numpy
         self.step_overhead = 0.95 * self.step_overhead + 0.05 * residual
@@ -208,9 +241,11 @@ class AdaptivePolicy:
             self._probing -= 1
             k = min(self.k_max, self.probe_k)
         elif self._idle >= self.probe_every * width * self._backoff:
+            # free drafting (lookup) has no catch-up to amortise: one-step probes, at most every
+            # 32 steps, so a stretch that starts copying from the prompt is found within it
             self._idle = 0
-            self._backoff = min(32, self._backoff * 2)
-            self._probing = self.probe_steps - 1
+            self._backoff = min(4 if self.free_drafting else 32, self._backoff * 2)
+            self._probing = (1 if self.free_drafting else self.probe_steps) - 1
             k = min(self.k_max, self.probe_k)
         if k > 0 and self._idle >= self.probe_every * width * self._backoff:
             self._idle = 0
