@@ -14,7 +14,7 @@ import numpy as np
 from specdec_rt.errors import ContextOverflowError, GenerationInputError
 from specdec_rt.runtime.memory import peak_rss_bytes, reset_peak_rss
 from specdec_rt.runtime.requests import RowRequest, SpeculationConfig
-from specdec_rt.runtime.rows import WAIT, Row
+from specdec_rt.runtime.rows import Row
 from specdec_rt.runtime.sampling import SamplingParamsError
 from specdec_rt.runtime.speculative import BatchLoop
 from specdec_rt.runtime.stats import BatchStats, GenerationStats
@@ -128,30 +128,11 @@ class BatchSession:
     def run(self, source: Iterable[SessionRow]) -> Iterator[RowUpdate]:
         """Add rows from ``source`` whenever a sequence is free and step the active ones until
         the source is exhausted and every row finished. Yields every update (prefills first)."""
-        waiting = iter(source)
-        exhausted = False
         t0 = time.perf_counter()
         reset_peak_rss()
         try:
-            while True:
-                while self.has_room and not exhausted:
-                    srow = next(waiting, None)
-                    if srow is None:
-                        exhausted = True
-                        break
-                    if srow is WAIT:
-                        break
-                    if srow.row.finished:  # cancelled before it started
-                        continue
-                    yield self.add(srow)
-                    self.loop.release()
-                self.loop.release()
-                if not self.loop.active:
-                    if exhausted:
-                        return
-                    continue
-                yield from self.step()
-                self.loop.release()  # rows finished in this step make room before the next admissions
+            # a row cancelled before it started is not added
+            yield from self.loop.drive(source, lambda srow: [] if srow.row.finished else [self.add(srow)], self.step)
         finally:
             self.stats.time_total = time.perf_counter() - t0
             self.stats.peak_rss_bytes = peak_rss_bytes()

@@ -27,9 +27,9 @@ from specdec_rt.runtime.sampling import SamplingParamsError  # noqa: F401 - re-e
 from specdec_rt.runtime.sessions import shared_pool_in_use
 from specdec_rt.runtime.speculative import run_chain
 from specdec_rt.runtime.stats import BatchStats, GenerationStats  # noqa: F401 - BatchStats re-exported
-from specdec_rt.runtime.tree import tree_generation
 from specdec_rt.runtime.text_output import GenerationResult, TextAssembler, finish_reason
 from specdec_rt.runtime.tokenizer import TextTokenizer
+from specdec_rt.runtime.tree import tree_generation
 
 class Generator:
     """A loaded bundle: target engine, optional draft engine, tokenizer."""

@@ -22,7 +22,7 @@ it. Without overlap the same code runs with an empty look-ahead.
 from __future__ import annotations
 
 import time
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
 
@@ -34,6 +34,9 @@ from specdec_rt.runtime.sampling import (SamplingParams, accept_chain_greedy, ac
                                          probabilities, sample)
 from specdec_rt.runtime.rows import WAIT, DraftLengthPolicy, LoopConfig, Row, RowView, StepClock
 from specdec_rt.runtime.stats import BatchStats, GenerationStats
+
+T = TypeVar("T")
+U = TypeVar("U")
 
 __all__ = ["WAIT", "DraftLengthPolicy", "LoopConfig", "Row", "RowView", "StepClock", "run_batch", "run_chain",
            "prefill", "clip_new_tokens"]
@@ -265,6 +268,32 @@ class BatchLoop:
             self.batch_stats.ks.append(k)
         return list(zip(self.active, _step(self.target, self.drafter, self.active, k, self.policy, self.overlap)))
 
+    def drive(self, source: Iterable[T], admit: Callable[[T], Iterable[U]],
+              step: Callable[[], Iterable[U]]) -> Iterator[U]:
+        """Admit items of ``source`` whenever a sequence is free (``admit(item)`` prefills it and
+        gives what to report; an item :data:`WAIT` means none to admit now, asked again after
+        the next step) and step the active rows (``step()``) until the source is exhausted and
+        every row finished. What run_batch and BatchSession.run share."""
+        waiting = iter(source)
+        exhausted = False
+        while True:
+            while self.has_room and not exhausted:
+                item = next(waiting, None)
+                if item is None:
+                    exhausted = True
+                    break
+                if item is WAIT:
+                    break
+                yield from admit(item)
+                self.release()
+            self.release()  # finished meanwhile (stop strings, cancellations)
+            if not self.active:
+                if exhausted:
+                    return
+                continue
+            yield from step()
+            self.release()  # rows finished in this step make room before the next admissions
+
 
 def run_batch(target: OrtEngine, drafter: Drafter | None, rows: Iterable[Row], max_rows: int = 1,
               num_draft_tokens: int = 4, policy: DraftLengthPolicy | None = None,
@@ -280,26 +309,7 @@ def run_batch(target: OrtEngine, drafter: Drafter | None, rows: Iterable[Row], m
     row leaves before the next step. See :class:`BatchLoop` for K and ``overlap``.
     """
     loop = BatchLoop(target, drafter, max_rows, num_draft_tokens, policy, batch_stats, overlap)
-    waiting = iter(rows)
-    exhausted = False
-    while True:
-        # join: waiting rows take free sequences, each prefilled by its own call
-        while loop.has_room and not exhausted:
-            row = next(waiting, None)
-            if row is None:
-                exhausted = True
-                break
-            if row is WAIT:
-                break
-            yield row, loop.admit(row)
-            loop.release()
-        loop.release()  # finished meanwhile (stop strings, cancellations)
-        if not loop.active:
-            if exhausted:
-                return
-            continue
-        yield from loop.step()
-        loop.release()
+    yield from loop.drive(rows, lambda row: [(row, loop.admit(row))], loop.step)
 
 
 def _leave(active: list[Row], free: list[int]) -> list[Row]:

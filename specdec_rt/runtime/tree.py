@@ -28,15 +28,16 @@ from specdec_rt.runtime.drafters import ModelDrafter
 from specdec_rt.runtime.engine import OrtEngine
 from specdec_rt.runtime.masks import causal_mask, tree_mask
 from specdec_rt.runtime.sampling import probabilities, sample
-from specdec_rt.runtime.speculative import LoopConfig, StepClock, clip_new_tokens, prefill
 from specdec_rt.runtime.policy_store import PolicyStore
 from specdec_rt.runtime.requests import SpeculationConfig
+from specdec_rt.runtime.speculative import LoopConfig, StepClock, clip_new_tokens, prefill
 from specdec_rt.runtime.stats import GenerationStats
 from specdec_rt.runtime.tree_drafters import TemplateDrafter, TreeDrafter, TreeNode, tree_visibility
 from specdec_rt.runtime.tree_shapes import FixedTemplate, Template, TreeShape
 
-__all__ = ["tree_generation", "FixedTemplate", "Template", "TreeDrafter", "TemplateDrafter", "TreeNode", "TreeShape",
-           "run_tree", "tree_visibility"]
+# the shapes and drafters live in tree_shapes / tree_drafters; their names stay importable from here
+__all__ = ["FixedTemplate", "Template", "TemplateDrafter", "TreeDrafter", "TreeNode", "TreeShape", "run_tree",
+           "tree_generation", "tree_visibility"]
 
 
 def _accept_greedy(tree: list[TreeNode], argmax: np.ndarray) -> tuple[list[int], int]:
