@@ -743,3 +743,19 @@ def test_batch_scheduler_forgets_finished_rows_under_steady_load(tiny_gen):
         assert asyncio.run(run()) == 0
     finally:
         sched.close()
+
+
+@pytest.mark.parametrize("sched", SCHEDULERS)
+def test_hybrid_drafter_as_the_server_default(tiny_pair, tiny_gen, sched):
+    """`specdec-serve --drafter hybrid` parses, becomes the requests' default, and a greedy
+    completion through it equals target-only decoding."""
+    from specdec_rt.serving.cli import build_parser, config_from_args
+
+    args = build_parser().parse_args(["--bundle", str(tiny_pair["bundle"]), "--drafter", "hybrid"])
+    assert config_from_args(args, tiny_pair["bundle"]).drafter == "hybrid"
+    with serve(tiny_pair["bundle"], scheduler=sched, drafter="hybrid") as (url, app):
+        assert app.state.api.defaults["drafter"] == "hybrid"
+        out = client(url).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=16, temperature=0)
+        assert out.choices[0].text == tiny_gen.generate(PROMPTS[0], max_new_tokens=16, temperature=0, drafter=None).text
+        m = metrics(url)
+        assert m.get(("specdec:spec_decode_num_drafts_total", ()), 0) > 0  # it drafted

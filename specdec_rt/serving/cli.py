@@ -79,8 +79,9 @@ def build_parser(prog: str = "specdec-serve") -> argparse.ArgumentParser:
                    help="positions to preallocate K/V for (default: the bundle's context, at most 4096)")
     g = ap.add_argument_group("speculation defaults (a request overrides them in its 'specdec' field)")
     g.add_argument("--num-draft-tokens", type=_k, default="auto", help="0..64 or auto (default auto)")
-    g.add_argument("--drafter", default="auto", choices=("auto", "model", "prompt_lookup", "none"),
-                   help="auto: the draft model when the bundle has one, else none")
+    g.add_argument("--drafter", default="auto", choices=("auto", "model", "prompt_lookup", "hybrid", "none"),
+                   help="auto: the draft model when the bundle has one, else none; hybrid: prompt lookup where "
+                        "it matches, else the draft model (the fastest on real instruct pairs, docs/real-checkpoints.md)")
     g.add_argument("--speculation", default="chain", choices=("chain", "tree"))
     g.add_argument("--overlap", action="store_true", help="draft the next block while the target verifies "
                    "(chains; the models get their own thread pools instead of one shared pool); same output")
