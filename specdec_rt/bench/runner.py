@@ -145,22 +145,17 @@ def run_bench(cfg: BenchConfig) -> dict:
     if any(llama_cpp_peer.is_llama_cpp(p) for p in cfg.peers):
         # binaries and GGUF files checked now, not after our runs: a missing one is a one-line error
         llama_cpp_peer.plan(cfg, gen.bundle.manifest, gen.max_length)
-    probed_rows = getattr(gen.target, "min_rows", 1)
+    probed_rows = gen.target.min_rows
     if not gen.exact_trees:  # float32 target attention: trees are refused (not token-identical)
         cfg.tree = False
     specs = [] if cfg.graphs_only else _specs(cfg, gen.draft_engine is not None, probed_rows)
 
     def run(spec: RunSpec, ids: list[int], **kw) -> tuple[list[int], object]:
         g = gen_overlap if spec.overlap else gen
-        if spec.min_rows is not None:
-            g.target.min_rows = spec.min_rows
-        try:
+        with g.target.rows_padded_to(spec.min_rows):
             out = g.generate_ids(ids, drafter=spec.drafter, num_draft_tokens=spec.k,
                                  speculation=spec.speculation, overlap=spec.overlap, **kw)
-            return out, g.last_stats
-        finally:
-            if spec.min_rows is not None:
-                g.target.min_rows = probed_rows
+        return out, g.last_stats
 
     # cost model: T(S) for S = 1..16 and the draft step, on a warm cache
     t_curve = measure_engine(gen.target, list(range(1, 17)), past=128, reps=7, clock=clock)

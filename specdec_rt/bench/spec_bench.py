@@ -84,16 +84,11 @@ class OurSystem(System):
 
     def run(self, question, ids, text, n) -> Outcome:
         g = self.gen
-        saved = g.target.min_rows
-        if self.min_rows is not None:
-            g.target.min_rows = self.min_rows
-        try:
+        with g.target.rows_padded_to(self.min_rows):
             t0 = time.perf_counter()
             out = g.generate_ids(ids, max_new_tokens=n, temperature=0.0, ignore_eos=True, drafter=self.drafter,
                                  num_draft_tokens=self.k, speculation=self.speculation)
             dt = time.perf_counter() - t0
-        finally:
-            g.target.min_rows = saved
         s = g.last_stats
         return Outcome(out, dt, ttft=s.time_prefill, target_calls=s.target_calls, proposed=s.proposed,
                        accepted=s.accepted)

@@ -7,6 +7,9 @@ its own module so that both engines (:mod:`specdec_rt.runtime.engine`,
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import numpy as np
 
 from specdec_rt.runtime.kv_cache import KVCache
@@ -29,6 +32,21 @@ class EngineBase:
     lengths: list[int]
     cache: KVCache
     max_batch: int = 1
+    # calls with fewer rows are padded to this many (exactness on kernels whose one-row path
+    # gives other bits: probes.probe_row_invariance sets it at load)
+    min_rows: int = 1
+
+    @contextmanager
+    def rows_padded_to(self, min_rows: int | None) -> Iterator[None]:
+        """Calls inside the block are padded to ``min_rows`` rows (None: as probed), restored
+        after: benchmarks time the unpadded one-row kernel beside the padded one."""
+        saved = self.min_rows
+        if min_rows is not None:
+            self.min_rows = min_rows
+        try:
+            yield
+        finally:
+            self.min_rows = saved
 
     @property
     def length(self) -> int:

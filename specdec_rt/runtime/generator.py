@@ -13,6 +13,7 @@ from specdec_rt.runtime.bundle import Bundle, BundleError, load_bundle
 from specdec_rt.runtime.chat import NO_TEMPLATE, ChatTemplate
 from specdec_rt.runtime.batch_session import BatchSession, BatchStream
 from specdec_rt.runtime.drafters import DRAFT_CONTEXT
+from specdec_rt.runtime.engine import OrtEngine
 from specdec_rt.runtime.factory import make_engine
 from specdec_rt.runtime.gen_config import GenerationDefaults
 from specdec_rt.runtime.limits import (DEFAULT_CONTEXT, DEFAULT_MAX_BATCH, prompt_token_ids,  # noqa: F401 - re-exported
@@ -69,7 +70,7 @@ class Generator:
         self.policies = PolicyStore(self.target, self.draft_engine, bundle.manifest)  # "auto": kept across generations
         self.vocab_size = bundle.target.vocab_size
         self.eos_token_ids = tuple(bundle.eos_token_ids)
-        if probe_rows and hasattr(self.target, "min_rows"):
+        if probe_rows and isinstance(self.target, OrtEngine):  # native TensorRT engines are not probed
             probe_row_invariance(self.target)  # exactness: pads 1-row calls where kernels differ
             # exactness of batches: a sequence's bits must not depend on who shares its call
             # (said at load where batching was asked for, else at the first batched call)
