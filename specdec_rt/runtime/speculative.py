@@ -77,8 +77,9 @@ def prefill(target: OrtEngine, drafter, prompt: list[int], params: SamplingParam
     return tokens
 
 
-def _admit(target: OrtEngine, drafter: Drafter | None, row: Row) -> list[int]:
-    """Prefill a row on its own sequence; returns its first token (the loop's first output)."""
+def start_row(target: OrtEngine, drafter, row: Row) -> list[int]:
+    """Prefill a row on its own sequence (``row.seq``); returns its first token (the loop's first
+    output), with ``row.finished`` set if that token already ends it. Chains and trees alike."""
     t_start = time.perf_counter()
     row.tokens = prefill(target, drafter, row.prompt, row.cfg.params, row.rng, row.stats, t_start, row.seq)
     row.clock = StepClock(target, drafter, t_start)
@@ -87,6 +88,32 @@ def _admit(target: OrtEngine, drafter: Drafter | None, row: Row) -> list[int]:
     elif row.cfg.max_new_tokens <= 1:
         row.finished = "length"
     return [row.tokens[-1]]
+
+
+def commit_row(target: OrtEngine, drafter, row: Row, candidates: list[int], proposed: int, accepted: int,
+               depth: int | None = None) -> list[int]:
+    """The commit every loop shares (chain, tree, batch, overlap), after the target's cache kept
+    the accepted K/V: count the call and the drafts (per position up to ``depth``, the drafted
+    depth of a tree; default ``proposed``), cut ``candidates`` (accepted drafts + the target's
+    token) at the budget and the first EOS, append them to the row and tell the drafter
+    (:meth:`StepClock.commit`), and mark why the row ends, if it does. Returns the new tokens."""
+    stats = row.stats
+    stats.target_calls += 1
+    if proposed:
+        stats.record(proposed if depth is None else depth, accepted)
+    stats.draft_lengths.append(proposed)
+    eos = _eos(row.cfg)
+    new = clip_new_tokens(candidates, row.cfg.max_new_tokens - row.generated, eos)
+    if len(new) <= accepted:  # cut at the budget or an EOS: the row ends, nothing lies ahead
+        row.drop_ahead(len(row.ahead))
+    row.clock.commit(stats, row.tokens, new, drafter, row.seq, row.ahead, proposed, accepted)
+    if new[-1] in eos:
+        row.finished = "eos"
+    elif row.generated >= row.cfg.max_new_tokens:
+        row.finished = "length"
+    elif target.lengths[row.seq] + 1 >= target.max_len:
+        row.finished = "context"
+    return new
 
 
 def _extend(drafter: Drafter, rows: list[Row], counts: list[int]) -> None:
@@ -189,24 +216,9 @@ def _step(target: OrtEngine, drafter: Drafter | None, rows: list[Row], k: int,
         stats.lookahead_hits += kept
         target.commit(n_acc + 1, r.seq)
         stats.time_verify += time.perf_counter() - t0
-        stats.target_calls += 1
-        if drafts:
-            stats.record(len(drafts), n_acc)
-            if policy is not None:
-                policy.observe(len(drafts), n_acc)
-        stats.draft_lengths.append(len(drafts))
-        eos = _eos(r.cfg)
-        new = clip_new_tokens(drafts[:n_acc] + [nxt], r.cfg.max_new_tokens - r.generated, eos)
-        if len(new) <= n_acc:  # cut at the budget or an EOS: the row ends, nothing lies ahead
-            r.drop_ahead(len(r.ahead))
-        r.clock.commit(stats, r.tokens, new, drafter, r.seq, r.ahead, len(drafts), n_acc)
-        if new[-1] in eos:
-            r.finished = "eos"
-        elif r.generated >= r.cfg.max_new_tokens:
-            r.finished = "length"
-        elif target.lengths[r.seq] + 1 >= target.max_len:
-            r.finished = "context"
-        out.append(new)
+        if drafts and policy is not None:
+            policy.observe(len(drafts), n_acc)
+        out.append(commit_row(target, drafter, r, drafts[:n_acc] + [nxt], len(drafts), n_acc))
     report = drafter.report if drafter is not None else None
     if observe is not None and not (report is not None and report.long_catch_up):
         observe(max(len(d) for d, _ in proposals), policy.clock() - step_t0, len(rows), draft_seconds=draft_seconds,
@@ -242,7 +254,7 @@ class BatchLoop:
         when its prompt cannot run, e.g. does not fit)."""
         row.seq = self.free.pop()
         try:
-            first = _admit(self.target, self.drafter, row)
+            first = start_row(self.target, self.drafter, row)
         except (ContextOverflowError, GenerationInputError) as exc:
             row.error, row.finished, first = exc, "error", []
         self.active.append(row)

@@ -30,7 +30,8 @@ from specdec_rt.runtime.masks import causal_mask, tree_mask
 from specdec_rt.runtime.sampling import probabilities, sample
 from specdec_rt.runtime.policy_store import PolicyStore
 from specdec_rt.runtime.requests import SpeculationConfig
-from specdec_rt.runtime.speculative import LoopConfig, StepClock, clip_new_tokens, prefill
+from specdec_rt.runtime.rows import LoopConfig, Row
+from specdec_rt.runtime.speculative import commit_row, start_row
 from specdec_rt.runtime.stats import GenerationStats
 from specdec_rt.runtime.tree_drafters import TemplateDrafter, TreeDrafter, TreeNode, tree_visibility
 from specdec_rt.runtime.tree_shapes import FixedTemplate, Template, TreeShape
@@ -102,24 +103,19 @@ def run_tree(target: OrtEngine, drafter: ModelDrafter, prompt: list[int], cfg: L
     :class:`TreeShape`, or with ``policy`` (:class:`~specdec_rt.runtime.tree_policy.TreePolicy`) the
     template it chooses per step."""
     shape = shape or TreeShape()
-    t_start = time.perf_counter()
-    eos = set() if cfg.ignore_eos else set(cfg.eos_token_ids)
     params = cfg.params
-    tokens = prefill(target, drafter, prompt, params, rng, stats, t_start)
-    tree_drafter = TreeDrafter(drafter, shape)
-    clock = StepClock(target, drafter, t_start)
-    yield [tokens[-1]]
-    if tokens[-1] in eos or cfg.max_new_tokens <= 1:
-        return
+    row = Row(prompt, cfg, rng, stats, seq=0)  # one sequence: the batch loop's row, start and commit
+    yield start_row(target, drafter, row)
     if policy is not None:
-        yield from _run_templates(target, drafter, tokens, cfg, rng, stats, policy, clock, eos)
+        yield from _run_templates(target, drafter, row, policy)
         return
-    while (generated := stats.new_tokens) < cfg.max_new_tokens:
+    tree_drafter = TreeDrafter(drafter, shape)
+    while not row.finished:
         p0 = target.length
         if p0 + 1 >= target.max_len:
             return
         t0 = time.perf_counter()
-        tree = tree_drafter.build(tokens, params, rng)
+        tree = tree_drafter.build(row.tokens, params, rng)
         stats.time_draft += time.perf_counter() - t0
         room = target.max_len - p0
         if len(tree) > room:  # near the context end: keep what fits (BFS order keeps parents)
@@ -139,34 +135,26 @@ def run_tree(target: OrtEngine, drafter: ModelDrafter, prompt: list[int], cfg: L
             path, nxt = _accept_sampled(tree, probabilities(logits, params), rng)
         target.compact(path)
         stats.time_verify += time.perf_counter() - t0
-        stats.target_calls += 1
-        n_acc = len(path) - 1
-        stats.record(int(depth.max()), n_acc)
-        stats.draft_lengths.append(len(tree) - 1)
-        new = clip_new_tokens([tree[i].token for i in path[1:]] + [nxt], cfg.max_new_tokens - generated, eos)
-        clock.commit(stats, tokens, new, drafter, proposed=len(tree) - 1, accepted=n_acc)
-        yield new
-        if new[-1] in eos:
-            return
+        yield commit_row(target, drafter, row, [tree[i].token for i in path[1:]] + [nxt], len(tree) - 1,
+                         len(path) - 1, depth=int(depth.max()))
 
 
-def _run_templates(target: OrtEngine, drafter: ModelDrafter, tokens: list[int], cfg: LoopConfig,
-                   rng: np.random.Generator, stats: GenerationStats, policy, clock: StepClock,
-                   eos: set[int]) -> Iterator[list[int]]:
+def _run_templates(target: OrtEngine, drafter: ModelDrafter, row: Row, policy) -> Iterator[list[int]]:
     """The tree loop with a shape policy: per step the policy's template, drafted level by level,
     verified in one call (a chain template as a plain causal chain), the accepted path's K/V
     compacted (nothing to move when the path is the template's first nodes)."""
+    cfg, rng, stats, tokens = row.cfg, row.rng, row.stats, row.tokens
     params = cfg.params
     greedy = params.greedy
     window = target.info.sliding_window
     dr = TemplateDrafter(drafter)
     d_eng = drafter.engine
-    while (generated := stats.new_tokens) < cfg.max_new_tokens:
+    while not row.finished:
         p0 = target.length
         if p0 + 1 >= target.max_len:
             return
         # nodes incl. the root: the target's and the draft's room, and no more than the budget
-        limit = max(1, min(target.max_len - p0, d_eng.max_len - len(tokens) + 1, cfg.max_new_tokens - generated))
+        limit = max(1, min(target.max_len - p0, d_eng.max_len - len(tokens) + 1, cfg.max_new_tokens - row.generated))
         step_t0 = policy.clock()
         tpl = policy.choose(limit)
         t0 = time.perf_counter()
@@ -229,18 +217,11 @@ def _run_templates(target: OrtEngine, drafter: ModelDrafter, tokens: list[int], 
         else:
             target.compact(path)
         stats.time_verify += time.perf_counter() - t1
-        stats.target_calls += 1
-        n_acc = len(path) - 1
-        if n > 1:
-            stats.record(tpl.max_depth, n_acc)
-        stats.draft_lengths.append(n - 1)
-        new = clip_new_tokens([int(ids[i]) for i in path[1:]] + [nxt_tok], cfg.max_new_tokens - generated, eos)
-        clock.commit(stats, tokens, new, drafter, proposed=n - 1, accepted=n_acc)
+        new = commit_row(target, drafter, row, [int(ids[i]) for i in path[1:]] + [nxt_tok], n - 1, len(path) - 1,
+                         depth=tpl.max_depth)
         # calibrates the shape model to this machine (not from a step that caught up a prompt)
         # (a root-only step drafts nothing, and observe_step learns nothing from it)
         if not dr.report.long_catch_up:
             policy.observe_step(tpl, policy.clock() - step_t0, draft_seconds, verify_seconds,
                                 dr.report.first_call_share)
         yield new
-        if new[-1] in eos:
-            return
