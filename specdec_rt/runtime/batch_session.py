@@ -85,16 +85,21 @@ class BatchSession:
     def prepare(self, request: RowRequest, index: int) -> SessionRow:
         """``request`` as a row of this session (not added yet); raises the runtime's user
         errors (a bad prompt, too long for the context, bad sampling values)."""
-        gen, p = self.gen, self.plan
+        gen = self.gen
         ids = gen.encode_prompt(request.prompt)
         cfg = request.loop_config(gen.generation_defaults, gen.eos_token_ids)
-        stats = GenerationStats(drafter=None if p.drafter is None else p.drafter.name, speculation="chain",
-                                num_draft_tokens=self.config.num_draft_tokens, overlap=p.overlapped)
+        stats = self.new_stats()
         stats.prompt_tokens = len(ids)
         result = GenerationResult("", [], stats, prompt_token_ids=ids)
         row = Row(ids, cfg, np.random.default_rng(request.seed), stats, index=index)
         text = TextAssembler(gen.tokenizer, request.stops, () if cfg.ignore_eos else gen.eos_token_ids)
         return SessionRow(index, row, result, text)
+
+    def new_stats(self) -> GenerationStats:
+        """A row's statistics, labelled with this session's speculation."""
+        p = self.plan
+        return GenerationStats(drafter=None if p.drafter is None else p.drafter.name, speculation="chain",
+                               num_draft_tokens=self.config.num_draft_tokens, overlap=p.overlapped)
 
     @property
     def has_room(self) -> bool:
@@ -207,10 +212,7 @@ class BatchStream:
                     item = item["prompt"]
                 srow = session.prepare(RowRequest(item, **opts), i)
             except (GenerationInputError, ContextOverflowError, SamplingParamsError) as exc:
-                p = session.plan
-                stats = GenerationStats(drafter=None if p.drafter is None else p.drafter.name, speculation="chain",
-                                        num_draft_tokens=session.config.num_draft_tokens, overlap=p.overlapped)
-                results.append(GenerationResult("", [], stats, finish_reason="error",
+                results.append(GenerationResult("", [], session.new_stats(), finish_reason="error",
                                                 error=f"{type(exc).__name__}: {exc}"))
                 rows.append(None)
                 continue

@@ -61,10 +61,14 @@ def plan_speculation(config: SpeculationConfig, width: int, *, draft_engine, voc
         k = int(config.num_draft_tokens)
     elif config.speculation == "chain" and drafter is not None:
         if isinstance(drafter, HybridDrafter):
-            policy = drafter.policy = HybridPolicy(policies.chain("prompt_lookup", width, scope="hybrid:"),
-                                                   policies.chain("model", width, scope="hybrid:"))
+            lookup, model = (policies.chain("prompt_lookup", width, scope="hybrid:"),
+                             policies.chain("model", width, scope="hybrid:"))
+            lookup.start()  # a new generation (prompt lookup's estimates are per prompt)
+            model.start()
+            policy = drafter.policy = HybridPolicy(lookup, model)
         else:
             policy = policies.chain(config.drafter, width, overlap)
+            policy.start()
             if isinstance(drafter, ModelDrafter) and policy.use_confidence_stop:
                 drafter.confidence_floor = policy.confidence_floor()
     return SpeculationPlan(k, policy, drafter, verify_thread() if overlap else None)

@@ -54,7 +54,6 @@ class PolicyStore:
         if policy is None:
             policy = self.chains[key] = AdaptivePolicy(cost, overlap=bool(overlap), clock=self.clock)
         policy.set_cost(cost)  # possibly with more widths than when the policy was made
-        policy.start()  # a new generation (prompt lookup's estimates are per prompt)
         return policy
 
     def tree(self) -> TreePolicy:

@@ -189,8 +189,7 @@ class TemplateDrafter:
                 fill(tpl, [depth - 1], row[None, :], ids, top, qs, draws, params, rng)
                 if depth < n - 1:
                     row = d.advance([int(ids[depth])])
-            self.report = DraftReport(time.perf_counter() - t0, None, long_catch_up)
-            self.report.first_call_share = first / self.report.seconds if self.report.seconds > 0 else None
+            self._report(t0, first, long_catch_up)
             return ids, top, qs, draws
         fill(tpl, [0], row[None, :], ids, top, qs, draws, params, rng)
         base = eng.length  # committed draft prefix incl. the root
@@ -211,9 +210,12 @@ class TemplateDrafter:
             d.calls += 1
             fill(tpl, nodes, logits, ids, top, qs, draws, params, rng)
         eng.rollback(base)  # tree nodes never enter the draft's committed cache
-        self.report = DraftReport(time.perf_counter() - t0, None, long_catch_up)
-        self.report.first_call_share = first / self.report.seconds if self.report.seconds > 0 else None
+        self._report(t0, first, long_catch_up)
         return ids, top, qs, draws
+
+    def _report(self, t0: float, first: float, long_catch_up: bool) -> None:
+        spent = time.perf_counter() - t0
+        self.report = DraftReport(spent, first / spent if spent > 0 else None, long_catch_up)
 
     @staticmethod
     def _fill_greedy(tpl, nodes, x, ids, top, qs, draws, params, rng) -> None:
