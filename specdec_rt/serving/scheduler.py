@@ -129,7 +129,7 @@ class Job:
 
     async def events(self) -> AsyncIterator[Event]:
         """Events until the terminal one (included). A passed deadline yields a 504 error event
-        and cancels the job; so does cancellation (then ``cancelled``)."""
+        and cancels the job; so does cancellation (then ``cancelled``, with no piece after it)."""
         while True:
             timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
             try:
@@ -138,6 +138,10 @@ class Job:
                 self.cancel("deadline")
                 yield deadline_error(self)
                 return
+            if event.kind == "piece" and self.cancelled:
+                # the worker may have run several steps before the reader cancelled: pieces it
+                # queued meanwhile are dropped, so a cancelled stream ends at once
+                continue
             yield event
             if event.kind != "piece":
                 return
