@@ -138,10 +138,13 @@ class Job:
                 self.cancel("deadline")
                 yield deadline_error(self)
                 return
-            if event.kind == "piece" and self.cancelled:
-                # the worker may have run several steps before the reader cancelled: pieces it
-                # queued meanwhile are dropped, so a cancelled stream ends at once
-                continue
+            if self.cancelled and self.cancel_reason is not None and event.kind in ("piece", "done"):
+                # the reader cancelled, and the worker may have run several steps (or to the end)
+                # before it saw that: what it queued meanwhile is dropped, and the stream ends
+                # as cancelled
+                if event.kind == "piece":
+                    continue
+                event = self.cancelled_outcome()
             yield event
             if event.kind != "piece":
                 return
