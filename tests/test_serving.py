@@ -186,11 +186,13 @@ def test_stop_strings_and_seeded_sampling(server, tiny_gen):
     out = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=stop,
                                extra_body={"ignore_eos": True})
     assert out.choices[0].text == want.text and out.choices[0].finish_reason == "stop"
-    kw = dict(max_new_tokens=16, temperature=0.9, top_p=0.95, top_k=40, seed=11)
+    # a fixed K: with "auto", K follows each generator's learned state, and sampled draws with it
+    kw = dict(max_new_tokens=16, temperature=0.9, top_p=0.95, top_k=40, seed=11, num_draft_tokens=3)
     want = tiny_gen.generate(PROMPTS[2], **kw)
     for stream in (False, True):
         out = c.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=16, temperature=0.9, top_p=0.95,
-                                   seed=11, stream=stream, extra_body={"top_k": 40})
+                                   seed=11, stream=stream,
+                                   extra_body={"top_k": 40, "specdec": {"num_draft_tokens": 3}})
         text = "".join(ch.choices[0].text for ch in out) if stream else out.choices[0].text
         assert text == want.text
 
