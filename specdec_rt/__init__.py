@@ -6,7 +6,7 @@ torch: a deployment needs numpy, onnxruntime, tokenizers and jinja2 (chat templa
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["load", "Generator", "GenerationResult", "GenerationStats"]
+__all__ = ["load", "Generator", "GenerationResult", "GenerationStats", "SuffixPool"]
 
 
 def __getattr__(name: str):

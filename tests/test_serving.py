@@ -52,7 +52,7 @@ SCHEDULERS = ["serial", "batch"]
 
 @contextlib.contextmanager
 def serve(bundle, step_delay: float | None = None, scheduler: str = "serial", max_batch: int = 4,
-          overlap: bool = False, **config):
+          overlap: bool = False, suffix_pool=None, **config):
     """``create_app`` on its own generator, uvicorn in a thread; yields (base URL, app).
     ``scheduler``: "serial" (SerialScheduler) or "batch" (BatchScheduler of ``max_batch`` rows)."""
     import uvicorn
@@ -61,7 +61,7 @@ def serve(bundle, step_delay: float | None = None, scheduler: str = "serial", ma
     from specdec_rt.serving import ServerConfig, create_app
     from specdec_rt.serving.scheduler import BatchScheduler
 
-    gen = specdec_rt.load(bundle, threads=1, overlap=overlap)
+    gen = specdec_rt.load(bundle, threads=1, overlap=overlap, suffix_pool=suffix_pool)
     cfg = ServerConfig(**{"model_name": "tiny", **config})
     sched = None
     if scheduler == "batch":
@@ -761,3 +761,35 @@ def test_hybrid_drafter_as_the_server_default(tiny_pair, tiny_gen, sched):
         assert out.choices[0].text == tiny_gen.generate(PROMPTS[0], max_new_tokens=16, temperature=0, drafter=None).text
         m = metrics(url)
         assert m.get(("specdec:spec_decode_num_drafts_total", ()), 0) > 0  # it drafted
+
+
+@pytest.mark.parametrize("sched", SCHEDULERS)
+def test_suffix_drafter_with_a_per_user_pool_through_the_server(tiny_pair, tiny_gen, sched):
+    """`specdec-serve --drafter suffix --suffix-pool per-user`: requests feed their user's pool (a
+    request without a user feeds none), answers stay target-only's, and /metrics splits drafts and
+    acceptance by drafter."""
+    from specdec_rt.runtime.suffix import SuffixPool
+    from specdec_rt.serving.cli import build_parser
+
+    args = build_parser().parse_args(["--bundle", str(tiny_pair["bundle"]), "--drafter", "suffix",
+                                      "--suffix-pool", "per-user", "--suffix-pool-tokens", "5000"])
+    assert (args.drafter, args.suffix_pool, args.suffix_pool_tokens) == ("suffix", "per-user", 5000)
+    pool = SuffixPool(5000, per_user=True)
+    want = tiny_gen.generate(PROMPTS[0], max_new_tokens=24, temperature=0, drafter=None).text
+    with serve(tiny_pair["bundle"], scheduler=sched, drafter="suffix", suffix_pool=pool) as (url, app):
+        c = client(url)
+        for user in ("alice", "alice", None):
+            extra = {} if user is None else {"user": user}
+            out = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=24, temperature=0, **extra)
+            assert out.choices[0].text == want
+        assert pool.added == 2  # alice's two requests; the anonymous one feeds no pool
+        out = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                                   extra_body={"specdec": {"drafter": "model"}})
+        assert out.choices[0].text == want
+        m = metrics(url)
+    drafted = m.get(("specdec:spec_decode_drafter_draft_tokens_total", (("drafter", "suffix"),)), 0)
+    accepted = m.get(("specdec:spec_decode_drafter_accepted_tokens_total", (("drafter", "suffix"),)), 0)
+    assert drafted > 0 and 0 < accepted <= drafted  # alice's second request copied her first answer
+    assert m.get(("specdec:spec_decode_drafter_draft_tokens_total", (("drafter", "model"),)), 0) > 0
+    assert sum(v for k, v in m.items() if k[0] == "specdec:spec_decode_drafter_draft_tokens_total") == \
+        m[("specdec:spec_decode_num_draft_tokens_total", ())]

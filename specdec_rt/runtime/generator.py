@@ -27,6 +27,7 @@ from specdec_rt.runtime.probes import probe_batch_invariance, probe_row_invarian
 from specdec_rt.runtime.sampling import SamplingParamsError  # noqa: F401 - re-exported
 from specdec_rt.runtime.sessions import shared_pool_in_use
 from specdec_rt.runtime.speculative import run_chain
+from specdec_rt.runtime.suffix import SuffixPool
 from specdec_rt.runtime.stats import BatchStats, GenerationStats  # noqa: F401 - BatchStats re-exported
 from specdec_rt.runtime.text_output import GenerationResult, TextAssembler, finish_reason
 from specdec_rt.runtime.tokenizer import TextTokenizer
@@ -40,8 +41,10 @@ class Generator:
                  io_binding: bool | None = None, draft_threads: int | None = 1,
                  shared_thread_pool: bool = False, probe_rows: bool = True,
                  max_context: int | None = None, max_batch: int | None = None,
-                 overlap: bool = False, draft_context: int | None = DRAFT_CONTEXT) -> None:
+                 overlap: bool = False, draft_context: int | None = DRAFT_CONTEXT,
+                 suffix_pool: SuffixPool | bool | None = None) -> None:
         self.bundle = bundle
+        self.suffix_pool = SuffixPool.from_setting(suffix_pool)  # None: each request on its own
         # the most tokens the draft catches up before proposing (None: all); see DRAFT_CONTEXT
         if draft_context is not None and (isinstance(draft_context, bool) or not isinstance(draft_context, (int, np.integer))
                                           or draft_context < 1):
@@ -105,7 +108,8 @@ class Generator:
         the verify thread when overlapped (the generator's default where ``config.overlap`` is None)."""
         return plan_speculation(config, width, draft_engine=self.draft_engine, vocab_size=self.vocab_size,
                                 draft_context=self.draft_context, policies=self.policies,
-                                default_overlap=self.overlap, verify_thread=self._shared_verify_thread)
+                                default_overlap=self.overlap, verify_thread=self._shared_verify_thread,
+                                suffix_pool=self.suffix_pool)
 
     def _shared_verify_thread(self) -> VerifyThread:
         if self._verify_thread is None:
@@ -145,7 +149,7 @@ class Generator:
                speculation: str = "chain", stop: Sequence[str] | str | None = None,
                do_sample: bool | None = None, ignore_eos: bool = False,
                result: GenerationResult | None = None, tree_shape=None,
-               every_step: bool = False, overlap: bool | None = None) -> Iterator[str]:
+               every_step: bool = False, overlap: bool | None = None, user: str | None = None) -> Iterator[str]:
         """Yield text pieces as tokens are committed. Pass ``result`` to collect ids and stats.
 
         ``every_step=True`` also yields ``""`` for a step whose tokens add no visible text yet (a
@@ -161,9 +165,13 @@ class Generator:
         :mod:`specdec_rt.runtime.overlap`); ``None`` takes the generator's default
         (``load(..., overlap=...)``, which also sets the thread pools up for it). Output is the
         same as without (greedy: token for token; sampled: the same distribution).
+
+        ``user``: who asks (OpenAI's ``user``); it selects the suffix pool a suffix drafter
+        reads and feeds (``load(..., suffix_pool=...)``) and changes nothing else.
         """
         prompt_ids = self.encode_prompt(prompt)
-        request = RowRequest(prompt_ids, max_new_tokens, temperature, top_k, top_p, do_sample, seed, stop, ignore_eos)
+        request = RowRequest(prompt_ids, max_new_tokens, temperature, top_k, top_p, do_sample, seed, stop, ignore_eos,
+                             user)
         config = SpeculationConfig(num_draft_tokens, drafter, speculation, overlap, tree_shape)
         stats = GenerationStats()
         res = result if result is not None else GenerationResult("", [], stats)
@@ -189,7 +197,7 @@ class Generator:
                  num_draft_tokens: int | str = "auto", drafter: str | None = "model",
                  speculation: str = "chain", stop: Sequence[str] | str | None = None,
                  do_sample: bool | None = None, ignore_eos: bool = False,
-                 tree_shape=None, overlap: bool | None = None) -> GenerationResult:
+                 tree_shape=None, overlap: bool | None = None, user: str | None = None) -> GenerationResult:
         """Generate a completion of a plain prompt (text or token ids).
 
         Sampling arguments left as ``None`` take the bundle's defaults (greedy unless its
@@ -197,12 +205,12 @@ class Generator:
         ``speculation="tree"``, ``num_draft_tokens`` is the tree's node budget (default shape from
         :meth:`TreeShape.for_budget`; pass ``tree_shape`` to override it); ``"auto"`` lets
         :class:`~specdec_rt.runtime.tree_policy.TreePolicy` choose the shape per step (a chain where
-        side branches do not pay). ``overlap``: see :meth:`stream`.
+        side branches do not pay). ``overlap``, ``user``: see :meth:`stream`.
         """
         result = GenerationResult("", [], GenerationStats())
         for _ in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, num_draft_tokens,
                              drafter, speculation, stop, do_sample, ignore_eos, result=result,
-                             tree_shape=tree_shape, overlap=overlap):
+                             tree_shape=tree_shape, overlap=overlap, user=user):
             pass
         result.text = self.tokenizer.decode(result.token_ids) if not stop else result.text
         return result
@@ -213,7 +221,7 @@ class Generator:
         out: list[int] = []
         args = dict(max_new_tokens=128, temperature=None, top_k=None, top_p=None, seed=None,
                     num_draft_tokens="auto", drafter="model", speculation="chain", do_sample=None,
-                    ignore_eos=False, tree_shape=None, overlap=None)
+                    ignore_eos=False, tree_shape=None, overlap=None, user=None)
         unknown = sorted(set(kwargs) - set(args))
         if unknown:
             raise TypeError(f"generate_ids() got unexpected keyword argument(s): {', '.join(unknown)}")
@@ -232,7 +240,7 @@ class Generator:
                      temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                      seed: int | None = None, num_draft_tokens: int | str = "auto", drafter: str | None = "model",
                      stop: Sequence[str] | str | None = None, do_sample: bool | None = None,
-                     ignore_eos: bool = False, overlap: bool | None = None) -> BatchStream:
+                     ignore_eos: bool = False, overlap: bool | None = None, user: str | None = None) -> BatchStream:
         """:meth:`generate_batch` as it runs: iterate the returned :class:`BatchStream` for
         ``(index, text piece)`` pairs; its ``results`` fill in as rows progress and
         ``cancel(index)`` ends one row (the others are not affected)."""
@@ -249,7 +257,7 @@ class Generator:
                 f"(load(..., max_batch={width}) on the CPU provider; GPU providers run one at a time)")
         session = BatchSession(self, SpeculationConfig(num_draft_tokens, drafter, "chain", overlap), width)
         defaults = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                        seed=seed, stop=stop, do_sample=do_sample, ignore_eos=ignore_eos)
+                        seed=seed, stop=stop, do_sample=do_sample, ignore_eos=ignore_eos, user=user)
         return BatchStream.from_prompts(session, prompts, defaults)
 
     def generate_batch(self, prompts: Sequence, max_new_tokens: int = 128, *, batch_size: int | None = None,
@@ -257,7 +265,8 @@ class Generator:
                        top_p: float | None = None, seed: int | None = None,
                        num_draft_tokens: int | str = "auto", drafter: str | None = "model",
                        stop: Sequence[str] | str | None = None, do_sample: bool | None = None,
-                       ignore_eos: bool = False, overlap: bool | None = None) -> list[GenerationResult]:
+                       ignore_eos: bool = False, overlap: bool | None = None,
+                       user: str | None = None) -> list[GenerationResult]:
         """Complete many prompts with up to ``batch_size`` of them decoding at once (default:
         all of them, at most :attr:`max_batch`); returns one result per prompt, in order.
 
@@ -272,7 +281,7 @@ class Generator:
 
         A prompt is text, token ids, or a dict ``{"prompt": ..., <argument>: value}`` that
         overrides ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``,
-        ``do_sample`` or ``ignore_eos`` for that row. A row whose input is bad (empty, too long
+        ``do_sample``, ``ignore_eos`` or ``user`` for that row. A row whose input is bad (empty, too long
         for the context, bad sampling values) gets ``finish_reason="error"`` and the message in
         ``error``; the others run. ``last_batch_stats`` holds the batch's totals. ``overlap``:
         the draft looks ahead for every row while the target verifies (see :meth:`stream`).
@@ -280,7 +289,7 @@ class Generator:
         run = self.stream_batch(prompts, max_new_tokens, batch_size=batch_size, temperature=temperature,
                                 top_k=top_k, top_p=top_p, seed=seed, num_draft_tokens=num_draft_tokens,
                                 drafter=drafter, stop=stop, do_sample=do_sample, ignore_eos=ignore_eos,
-                                overlap=overlap)
+                                overlap=overlap, user=user)
         for _ in run:
             pass
         for res, text in zip(run.results, run.texts):
@@ -343,7 +352,7 @@ def load(bundle: str | os.PathLike, provider: str = "cpu", draft_provider: str |
          draft_threads: int | None = 1, shared_thread_pool: bool = False,
          probe_rows: bool = True, max_context: int | None = None,
          max_batch: int | None = None, overlap: bool = False,
-         draft_context: int | None = DRAFT_CONTEXT) -> Generator:
+         draft_context: int | None = DRAFT_CONTEXT, suffix_pool: SuffixPool | bool | None = None) -> Generator:
     """Load a bundle. ``provider``: "cpu" | "cuda" | "tensorrt"; the draft may use another one.
 
     ``io_binding``: bind the KV buffers by pointer (default on GPUs; on CPU the default feeds the
@@ -375,14 +384,17 @@ def load(bundle: str | os.PathLike, provider: str = "cpu", draft_provider: str |
     32 (``RESYNC_CONTEXT``, at most ``draft_context``): proposals see a shorter history, the
     output is unchanged, and the draft's prefill of a long prompt no longer costs more than
     what speculation saves on the answer.
+    ``suffix_pool``: let ``drafter="suffix"`` / ``"suffix_hybrid"`` also match the outputs of
+    this generator's earlier requests (:class:`~specdec_rt.runtime.suffix.SuffixPool`; True: a
+    pool of 200k tokens, one per ``user``, none for requests without one). Outputs stay exact.
     """
     b = load_bundle(bundle, verify_checksums=verify_checksums)
     return Generator(b, provider=provider, draft_provider=draft_provider, threads=threads,
                      max_length=max_length, io_binding=io_binding, draft_threads=draft_threads,
                      shared_thread_pool=shared_thread_pool, probe_rows=probe_rows,
                      max_context=max_context, max_batch=max_batch, overlap=overlap,
-                     draft_context=draft_context)
+                     draft_context=draft_context, suffix_pool=suffix_pool)
 
 
 __all__ = ["load", "Generator", "GenerationResult", "GenerationStats", "BatchStats", "BatchStream",
-           "BundleError"]
+           "BundleError", "SuffixPool"]

@@ -1,4 +1,5 @@
-"""Prompt lookup where it matches, the draft model elsewhere: ``drafter="hybrid"``.
+"""Prompt lookup where it matches, the draft model elsewhere: ``drafter="hybrid"`` (and
+``drafter="suffix_hybrid"``: the suffix drafter where its match is strong, the model elsewhere).
 
 On a real pair the two drafters pay in different places (Spec-Bench, Qwen2.5-Coder 1.5B + 0.5B
 int4 on 2 cores): lookup costs nothing to draft and wins where answers copy from the prompt
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from specdec_rt.runtime.drafters import DraftReport, ModelDrafter, PromptLookupDrafter, StepReport
+from specdec_rt.runtime.drafters import Drafter, DraftReport, ModelDrafter, PromptLookupDrafter, StepReport
 
 if TYPE_CHECKING:
     from specdec_rt.runtime.policy import AdaptivePolicy
@@ -65,12 +66,14 @@ class HybridPolicy:
 
 
 class HybridDrafter:
-    """Lookup's proposal where its n-gram matches, else the draft model's (see module doc)."""
+    """The free drafter's proposal where it has one, else the draft model's (see module doc).
 
-    name = "hybrid"
+    ``lookup``: the free source, a drafter that proposes nothing where it has no (strong enough)
+    match: prompt lookup (``name`` "hybrid") or the suffix drafter ("suffix_hybrid")."""
 
-    def __init__(self, model: ModelDrafter, lookup: PromptLookupDrafter | None = None,
-                 policy: HybridPolicy | None = None) -> None:
+    def __init__(self, model: ModelDrafter, lookup: Drafter | None = None,
+                 policy: HybridPolicy | None = None, name: str = "hybrid") -> None:
+        self.name = name
         self.model = model
         self.lookup = lookup or PromptLookupDrafter()
         self.policy = policy  # None: both sources draft up to the loop's fixed K
@@ -87,12 +90,15 @@ class HybridDrafter:
     _used_model = False
 
     def begin(self, prompt: list[int], seq: int = 0) -> None:
+        self.lookup.begin(prompt, seq)
         self.model.begin(prompt, seq)
 
     def observe(self, step: StepReport) -> None:
+        self.lookup.observe(step)
         self.model.observe(step)
 
     def end(self, seq: int = 0) -> None:
+        self.lookup.end(seq)
         self.model.end(seq)
 
     def propose(self, rows: list[Row], ks: list[int]) -> list[tuple[list[int], np.ndarray | None]]:
@@ -102,9 +108,8 @@ class HybridDrafter:
         out: list[tuple[list[int], np.ndarray | None] | None] = [None] * len(rows)
         sources: list[str | None] = [None] * len(rows)
         ask, ask_k = [], []
-        for i, (row, k) in enumerate(zip(rows, ks)):
-            kl = k if k_lookup is None else min(k, k_lookup)
-            found = self.lookup.lookup(row.tokens, kl) if kl > 0 else []
+        free = self.lookup.propose(rows, [k if k_lookup is None else min(k, k_lookup) for k in ks])
+        for i, (row, k, (found, _)) in enumerate(zip(rows, ks, free)):
             if found:
                 out[i], sources[i] = (found, None), LOOKUP
                 continue

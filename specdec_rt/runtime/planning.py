@@ -12,7 +12,12 @@ from specdec_rt.runtime.drafters import Drafter, ModelDrafter, PromptLookupDraft
 from specdec_rt.runtime.hybrid import HybridDrafter, HybridPolicy
 from specdec_rt.runtime.overlap import VerifyThread
 from specdec_rt.runtime.policy_store import PolicyStore
-from specdec_rt.runtime.requests import SpeculationConfig
+from specdec_rt.runtime.requests import NO_OVERLAP, SpeculationConfig
+from specdec_rt.runtime.suffix import SuffixDrafter, SuffixPool
+
+# a suffix proposal the suffix hybrid takes over the draft model's: at least this many expected
+# accepted tokens (the sum of its continuation frequencies; see suffix.py)
+SUFFIX_HYBRID_MIN_SCORE = 1.0
 
 
 @dataclass
@@ -31,38 +36,53 @@ class SpeculationPlan:
         return self.verify_thread is not None and self.drafter is not None
 
 
-def make_drafter(name: str | None, draft_engine, vocab_size: int, draft_context: int | None) -> Drafter | None:
-    """The drafter called ``name`` ("model", "prompt_lookup", "hybrid"; None: target-only)."""
+def make_drafter(name: str | None, draft_engine, vocab_size: int, draft_context: int | None,
+                 suffix_pool: SuffixPool | None = None) -> Drafter | None:
+    """The drafter called ``name`` ("model", "prompt_lookup", "hybrid", "suffix", "suffix_hybrid";
+    None: target-only). ``suffix_pool``: what the suffix drafters also match against."""
     if name is None:
         return None
     if name == "prompt_lookup":
         return PromptLookupDrafter()
+    if name == "suffix":
+        return SuffixDrafter(suffix_pool)
     if draft_engine is None:
-        if name == "hybrid":
-            raise GenerationInputError("drafter='hybrid' mixes prompt lookup with the draft model, and this "
-                                       "bundle has no draft model; use drafter='prompt_lookup'")
-        raise GenerationInputError("this bundle has no draft model; use drafter='prompt_lookup' or None")
+        if name in ("hybrid", "suffix_hybrid"):
+            free = "prompt_lookup" if name == "hybrid" else "suffix"
+            raise GenerationInputError(f"drafter='{name}' mixes {free} with the draft model, and this "
+                                       f"bundle has no draft model; use drafter='{free}'")
+        raise GenerationInputError("this bundle has no draft model; use drafter='prompt_lookup', 'suffix' or None")
     model = ModelDrafter(draft_engine, vocab_size, draft_context)
-    return HybridDrafter(model) if name == "hybrid" else model
+    if name == "hybrid":
+        return HybridDrafter(model)
+    if name == "suffix_hybrid":
+        return HybridDrafter(model, SuffixDrafter(suffix_pool, min_score=SUFFIX_HYBRID_MIN_SCORE),
+                             name="suffix_hybrid")
+    return model
 
 
 def plan_speculation(config: SpeculationConfig, width: int, *, draft_engine, vocab_size: int,
                      draft_context: int | None, policies: PolicyStore, default_overlap: bool,
-                     verify_thread: Callable[[], VerifyThread]) -> SpeculationPlan:
+                     verify_thread: Callable[[], VerifyThread],
+                     suffix_pool: SuffixPool | None = None) -> SpeculationPlan:
     """Resolve ``config`` for a generation of ``width`` sequences. ``default_overlap``: the
-    generator's setting where ``config.overlap`` is None (chains only); ``verify_thread``: gives
-    the generator's (one, reused) verify worker."""
-    overlap = config.overlap if config.overlap is not None else default_overlap and config.speculation == "chain"
-    if overlap and config.drafter == "hybrid":
-        raise GenerationInputError("drafter='hybrid' does not draft ahead: use overlap=False with it")
-    drafter = make_drafter(config.drafter, draft_engine, vocab_size, draft_context)
+    generator's setting where ``config.overlap`` is None (chains only, and drafters that can
+    draft ahead: the others run sequentially); ``verify_thread``: gives the generator's (one,
+    reused) verify worker; ``suffix_pool``: the generator's pool for the suffix drafters."""
+    overlap = config.overlap
+    if overlap is None:
+        overlap = default_overlap and config.speculation == "chain" and config.drafter not in NO_OVERLAP
+    if overlap and config.drafter in NO_OVERLAP:
+        raise GenerationInputError(f"drafter='{config.drafter}' does not draft ahead: use overlap=False with it")
+    drafter = make_drafter(config.drafter, draft_engine, vocab_size, draft_context, suffix_pool)
     k, policy = 0, None
     if not config.auto:
         k = int(config.num_draft_tokens)
     elif config.speculation == "chain" and drafter is not None:
         if isinstance(drafter, HybridDrafter):
-            lookup, model = (policies.chain("prompt_lookup", width, scope="hybrid:"),
-                             policies.chain("model", width, scope="hybrid:"))
+            free = "prompt_lookup" if drafter.name == "hybrid" else "suffix"
+            lookup, model = (policies.chain(free, width, scope=drafter.name + ":"),
+                             policies.chain("model", width, scope=drafter.name + ":"))
             lookup.start()  # a new generation (prompt lookup's estimates are per prompt)
             model.start()
             policy = drafter.policy = HybridPolicy(lookup, model)

@@ -13,7 +13,9 @@ from specdec_rt.runtime.gen_config import GenerationDefaults
 from specdec_rt.runtime.rows import LoopConfig
 from specdec_rt.runtime.sampling import SamplingParams
 
-DRAFTERS = ("model", "prompt_lookup", "hybrid")
+DRAFTERS = ("model", "prompt_lookup", "hybrid", "suffix", "suffix_hybrid")
+# drafters whose proposals read the committed tokens: nothing to draft ahead of verification
+NO_OVERLAP = ("hybrid", "suffix", "suffix_hybrid")
 SPECULATIONS = ("chain", "tree")
 MAX_DRAFT_TOKENS = 64
 
@@ -27,8 +29,8 @@ class SpeculationConfig:
     """How a generation speculates (one per call, or per batch: its rows share it).
 
     ``num_draft_tokens``: K, 0..64, or ``"auto"`` (the cost-model policy; trees: the shape policy,
-    or a node budget when an integer); ``drafter``: "model", "prompt_lookup", "hybrid" or None
-    ("none") for target-only decoding; ``speculation``: "chain" or "tree"; ``overlap``: draft the
+    or a node budget when an integer); ``drafter``: "model", "prompt_lookup", "hybrid", "suffix",
+    "suffix_hybrid" or None ("none") for target-only decoding; ``speculation``: "chain" or "tree"; ``overlap``: draft the
     next block while the target verifies (None: the generator's default); ``tree_shape``: a fixed
     tree template (trees only).
     """
@@ -47,8 +49,8 @@ class SpeculationConfig:
         if self.overlap and self.speculation == "tree":
             raise GenerationInputError("overlap=True drafts ahead of a chain; it does not apply to "
                                        "speculation='tree'")
-        if self.drafter == "hybrid" and self.overlap:
-            raise GenerationInputError("drafter='hybrid' does not draft ahead: use overlap=False with it")
+        if self.drafter in NO_OVERLAP and self.overlap:
+            raise GenerationInputError(f"drafter='{self.drafter}' does not draft ahead: use overlap=False with it")
         k = self.num_draft_tokens
         if k != "auto" and not (_is_int(k) and 0 <= k <= MAX_DRAFT_TOKENS):
             raise GenerationInputError(f"num_draft_tokens must be 0..{MAX_DRAFT_TOKENS} or 'auto', got {k!r}")
@@ -76,8 +78,9 @@ class RowRequest:
     seed: int | None = None
     stop: Sequence[str] | str | None = None
     ignore_eos: bool = False
+    user: str | None = None
 
-    FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "do_sample", "ignore_eos")
+    FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "do_sample", "ignore_eos", "user")
 
     @property
     def stops(self) -> list[str]:
@@ -91,5 +94,7 @@ class RowRequest:
         temperature, top_k, top_p = defaults.resolve(self.temperature, self.top_k, self.top_p, self.do_sample)
         SamplingParams(temperature, top_k, top_p)  # validates before converting
         params = SamplingParams(float(temperature), int(top_k), float(top_p))
+        if self.user is not None and not isinstance(self.user, str):
+            raise GenerationInputError(f"user must be a string or None, got {type(self.user).__name__}")
         return LoopConfig(max_new_tokens=int(n), params=params, eos_token_ids=tuple(eos_token_ids),
-                          ignore_eos=bool(self.ignore_eos))
+                          ignore_eos=bool(self.ignore_eos), user=self.user)

@@ -67,6 +67,7 @@ class LoopConfig:
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    user: str | None = None  # who asked (OpenAI's ``user``): selects a suffix pool, nothing else
 
 
 @dataclass

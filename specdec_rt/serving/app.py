@@ -176,9 +176,9 @@ class SpecdecAPI:
             SamplingParams(t, k, p)
         except USER_ERRORS as exc:
             raise P.bad(str(exc), None, "invalid_value") from None
-        if kwargs.get("drafter") == "model" and self.gen.draft_engine is None:
-            raise P.bad("this bundle has no draft model; use specdec.drafter 'prompt_lookup' or 'none'",
-                        "specdec.drafter", "invalid_value")
+        if kwargs.get("drafter") in ("model", "hybrid", "suffix_hybrid") and self.gen.draft_engine is None:
+            raise P.bad(f"this bundle has no draft model (drafter '{kwargs['drafter']}' needs one); use "
+                        "specdec.drafter 'prompt_lookup', 'suffix' or 'none'", "specdec.drafter", "invalid_value")
         if kwargs.get("speculation") == "tree" and kwargs.get("drafter") != "model":
             raise P.bad("specdec.speculation 'tree' needs drafter 'model'", "specdec.speculation", "invalid_value")
 

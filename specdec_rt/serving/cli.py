@@ -79,9 +79,18 @@ def build_parser(prog: str = "specdec-serve") -> argparse.ArgumentParser:
                    help="positions to preallocate K/V for (default: the bundle's context, at most 4096)")
     g = ap.add_argument_group("speculation defaults (a request overrides them in its 'specdec' field)")
     g.add_argument("--num-draft-tokens", type=_k, default="auto", help="0..64 or auto (default auto)")
-    g.add_argument("--drafter", default="auto", choices=("auto", "model", "prompt_lookup", "hybrid", "none"),
+    g.add_argument("--drafter", default="auto",
+                   choices=("auto", "model", "prompt_lookup", "hybrid", "suffix", "suffix_hybrid", "none"),
                    help="auto: the draft model when the bundle has one, else none; hybrid: prompt lookup where "
-                        "it matches, else the draft model (the fastest on real instruct pairs, docs/real-checkpoints.md)")
+                        "it matches, else the draft model (the fastest on real instruct pairs, docs/real-checkpoints.md); "
+                        "suffix: suffix-tree drafting over the request (and the --suffix-pool); suffix_hybrid: suffix "
+                        "where its match is strong, else the draft model")
+    g.add_argument("--suffix-pool", default="off", choices=("off", "per-user", "shared"),
+                   help="let the suffix drafters match earlier requests' outputs: per-user (one pool per request "
+                        "'user', none without one) or shared (one pool for all: a single-tenant server). "
+                        "Proposals only: outputs stay exact (default off)")
+    g.add_argument("--suffix-pool-tokens", type=_positive, default=200_000,
+                   help="tokens the suffix pool holds, oldest requests evicted first (default 200000)")
     g.add_argument("--speculation", default="chain", choices=("chain", "tree"))
     g.add_argument("--overlap", action="store_true", help="draft the next block while the target verifies "
                    "(chains; the models get their own thread pools instead of one shared pool); same output")
@@ -144,7 +153,9 @@ def main(argv: list[str] | None = None, prog: str = "specdec-serve") -> int:
         gen = specdec_rt.load(bundle, provider=args.provider, draft_provider=args.draft_provider,
                               threads=args.threads, max_context=args.max_context,
                               shared_thread_pool=not args.overlap, overlap=args.overlap,
-                              max_batch=args.max_batch if args.max_batch and args.max_batch > 1 else None)
+                              max_batch=args.max_batch if args.max_batch and args.max_batch > 1 else None,
+                              suffix_pool=None if args.suffix_pool == "off" else specdec_rt.SuffixPool(
+                                  args.suffix_pool_tokens, per_user=args.suffix_pool == "per-user"))
         config = config_from_args(args, bundle)
         app = create_app(gen, config)
     except USER_ERRORS as exc:

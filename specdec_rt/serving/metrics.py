@@ -19,9 +19,13 @@ series carry a ``model_name`` label, as vLLM's do.
 | ``P:spec_decode_num_draft_tokens_total`` | counter | draft tokens proposed |
 | ``P:spec_decode_num_accepted_tokens_total`` | counter | draft tokens accepted |
 | ``P:spec_decode_num_accepted_tokens_per_pos_total{position}`` | counter | accepted at draft position 0, 1, ... |
+| ``P:spec_decode_drafter_drafts_total{drafter}`` | counter | the drafts, per drafter (model, prompt_lookup, hybrid, suffix, suffix_hybrid) |
+| ``P:spec_decode_drafter_draft_tokens_total{drafter}`` | counter | draft tokens proposed, per drafter |
+| ``P:spec_decode_drafter_accepted_tokens_total{drafter}`` | counter | draft tokens accepted, per drafter |
 
 The acceptance rate is ``num_accepted_tokens / num_draft_tokens``; the mean accepted length
-``1 + num_accepted_tokens / num_drafts`` (vLLM's definitions).
+``1 + num_accepted_tokens / num_drafts`` (vLLM's definitions). The ``drafter`` series split the
+same counts by the request's drafter (vLLM's series stay as they are, for its dashboards).
 """
 from __future__ import annotations
 
@@ -72,6 +76,12 @@ class ServerMetrics:
                                            "Draft tokens accepted.").labels(model_name)
         self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                         "Draft tokens accepted, by position in the draft.", ("position",))
+        self.drafter_drafts = counter("spec_decode_drafter_drafts", "Draft proposals verified, by drafter.",
+                                      ("drafter",))
+        self.drafter_draft_tokens = counter("spec_decode_drafter_draft_tokens", "Draft tokens proposed, by drafter.",
+                                            ("drafter",))
+        self.drafter_accepted_tokens = counter("spec_decode_drafter_accepted_tokens",
+                                               "Draft tokens accepted, by drafter.", ("drafter",))
 
     def bind(self, scheduler) -> None:
         """Read queue depth and running rows from the scheduler at scrape time."""
@@ -114,10 +124,15 @@ class ServerMetrics:
         self.prompt_tokens.inc(result.stats.prompt_tokens)
         self.generation_tokens.inc(len(result.token_ids))
         stats = result.stats
-        if stats.per_position_proposed:
-            self.num_drafts.inc(stats.per_position_proposed[0])
+        drafts = stats.per_position_proposed[0] if stats.per_position_proposed else 0
+        self.num_drafts.inc(drafts)
         self.num_draft_tokens.inc(stats.proposed)
         self.num_accepted_tokens.inc(stats.accepted)
+        if stats.drafter is not None:
+            drafter = str(stats.drafter)
+            self.drafter_drafts.labels(self.model_name, drafter).inc(drafts)
+            self.drafter_draft_tokens.labels(self.model_name, drafter).inc(stats.proposed)
+            self.drafter_accepted_tokens.labels(self.model_name, drafter).inc(stats.accepted)
         for pos, n in enumerate(stats.per_position_accepted):
             if n:
                 self.accepted_per_pos.labels(self.model_name, str(pos)).inc(n)

@@ -3,12 +3,13 @@
 Requests are checked field by field before anything is queued, so a bad body is answered at
 once with a 4xx and an OpenAI-style error body ``{"error": {"message", "type", "param",
 "code"}}`` naming the field. Fields the server cannot honour are refused, not ignored (``n`` other
-than 1, ``logprobs``, penalties, tools...); a few that change nothing here (``user``,
-``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``) are accepted and ignored.
+than 1, ``logprobs``, penalties, tools...); a few that change nothing here (``metadata``,
+``store``, ``service_tier``, ``parallel_tool_calls``) are accepted and ignored. ``user`` selects
+the request's suffix pool (``--suffix-pool per-user``) and changes nothing else.
 
 Extensions (vLLM's names where vLLM has them): ``top_k`` (0 or -1: off), ``ignore_eos``,
 ``chat_template_kwargs`` (chat), and ``specdec``: ``{"num_draft_tokens": 0..64 | "auto",
-"drafter": "model" | "prompt_lookup" | "hybrid" | "none", "speculation": "chain" | "tree", "timeout": s}``
+"drafter": "model" | "prompt_lookup" | "hybrid" | "suffix" | "suffix_hybrid" | "none", "speculation": "chain" | "tree", "timeout": s}``
 overriding the server's defaults for one request.
 """
 from __future__ import annotations
@@ -216,6 +217,8 @@ def _common(body: dict, kind: str, accepted: set[str], served_model: str, defaul
     req.gen_kwargs = {"temperature": temperature, "top_p": top_p,
                       "top_k": None if top_k is None else max(top_k, 0), "seed": seed, "stop": stop or None,
                       "ignore_eos": bool(ignore_eos), **spec}
+    if body.get("user") is not None:  # selects the request's suffix pool (--suffix-pool per-user)
+        req.gen_kwargs["user"] = body["user"]
     return req
 
 
