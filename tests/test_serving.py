@@ -55,8 +55,6 @@ def serve(bundle, step_delay: float | None = None, scheduler: str = "serial", ma
           overlap: bool = False, suffix_pool=None, **config):
     """``create_app`` on its own generator, uvicorn in a thread; yields (base URL, app).
     ``scheduler``: "serial" (SerialScheduler) or "batch" (BatchScheduler of ``max_batch`` rows)."""
-    import uvicorn
-
     import specdec_rt
     from specdec_rt.serving import ServerConfig, create_app
     from specdec_rt.serving.scheduler import BatchScheduler
@@ -71,6 +69,15 @@ def serve(bundle, step_delay: float | None = None, scheduler: str = "serial", ma
         if step_delay:
             gen = SlowGen(gen, step_delay)
     app = create_app(gen, cfg, scheduler=sched)
+    with serve_app(app) as url:
+        yield url, app
+
+
+@contextlib.contextmanager
+def serve_app(app):
+    """uvicorn serving ``app`` in a thread on a free port; yields the base URL."""
+    import uvicorn
+
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -82,7 +89,7 @@ def serve(bundle, step_delay: float | None = None, scheduler: str = "serial", ma
         assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}", app
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(30)
@@ -793,3 +800,40 @@ def test_suffix_drafter_with_a_per_user_pool_through_the_server(tiny_pair, tiny_
     assert m.get(("specdec:spec_decode_drafter_draft_tokens_total", (("drafter", "model"),)), 0) > 0
     assert sum(v for k, v in m.items() if k[0] == "specdec:spec_decode_drafter_draft_tokens_total") == \
         m[("specdec:spec_decode_num_draft_tokens_total", ())]
+
+
+def test_server_is_ready_only_when_warm(tiny_pair, tiny_gen):
+    """With warm_up (specdec-serve's default), /health answers 503 "warming" until the generator's
+    warm-up ran (cost model, every decoding path once); a request sent meanwhile waits in the
+    queue and is answered after it, exactly."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import specdec_rt
+    from specdec_rt.serving import ServerConfig, create_app
+
+    gen = specdec_rt.load(tiny_pair["bundle"], threads=1)
+    gate, spent, real = threading.Event(), {}, gen.warm_up
+
+    def gated(max_batch=None):
+        assert gate.wait(30)
+        spent.update(real(max_batch))
+
+    gen.warm_up = gated
+    app = create_app(gen, ServerConfig(model_name="tiny", warm_up=True))
+    want = tiny_gen.generate(PROMPTS[0], max_new_tokens=12, temperature=0, drafter=None).text
+    with serve_app(app) as url, ThreadPoolExecutor(1) as pool:
+        h = httpx.get(url + "/health")
+        assert h.status_code == 503 and h.json()["status"] == "warming"
+        pending = pool.submit(lambda: client(url).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12,
+                                                                     temperature=0))
+        time.sleep(0.2)
+        assert not pending.done()
+        gate.set()
+        assert pending.result(60).choices[0].text == want
+        h = httpx.get(url + "/health")
+        assert h.status_code == 200 and h.json()["status"] == "ok"
+    assert {"cost_model", "target_only", "chain"} <= set(spent) and gen.policies.cost_model is not None
+    from specdec_rt.serving.cli import build_parser, config_from_args
+
+    assert config_from_args(build_parser().parse_args(["--bundle", "b"]), tiny_pair["bundle"]).warm_up
+    assert not config_from_args(build_parser().parse_args(["--bundle", "b", "--no-warm-up"]), tiny_pair["bundle"]).warm_up

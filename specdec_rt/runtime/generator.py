@@ -17,7 +17,7 @@ from specdec_rt.runtime.engine import OrtEngine
 from specdec_rt.runtime.factory import make_engine
 from specdec_rt.runtime.gen_config import GenerationDefaults
 from specdec_rt.runtime.limits import (DEFAULT_CONTEXT, DEFAULT_MAX_BATCH, prompt_token_ids,  # noqa: F401 - re-exported
-                                       resolve_context, resolve_max_batch)
+                                       resolve_context, resolve_draft_context, resolve_max_batch)
 from specdec_rt.runtime.memory import peak_rss_bytes, reset_peak_rss
 from specdec_rt.runtime.overlap import VerifyThread
 from specdec_rt.runtime.planning import SpeculationPlan, plan_speculation
@@ -32,6 +32,7 @@ from specdec_rt.runtime.stats import BatchStats, GenerationStats  # noqa: F401 -
 from specdec_rt.runtime.text_output import GenerationResult, TextAssembler, finish_reason
 from specdec_rt.runtime.tokenizer import TextTokenizer
 from specdec_rt.runtime.tree import tree_generation
+from specdec_rt.runtime.warmup import warm_up
 
 class Generator:
     """A loaded bundle: target engine, optional draft engine, tokenizer."""
@@ -45,11 +46,7 @@ class Generator:
                  suffix_pool: SuffixPool | bool | None = None) -> None:
         self.bundle = bundle
         self.suffix_pool = SuffixPool.from_setting(suffix_pool)  # None: each request on its own
-        # the most tokens the draft catches up before proposing (None: all); see DRAFT_CONTEXT
-        if draft_context is not None and (isinstance(draft_context, bool) or not isinstance(draft_context, (int, np.integer))
-                                          or draft_context < 1):
-            raise GenerationInputError(f"draft_context must be a positive number of tokens or None, got {draft_context!r}")
-        self.draft_context = None if draft_context is None else int(draft_context)
+        self.draft_context = resolve_draft_context(draft_context)  # None: the draft catches up on all
         self.overlap = bool(overlap)
         self._verify_thread: VerifyThread | None = None
         if self.overlap:
@@ -111,6 +108,11 @@ class Generator:
                                 default_overlap=self.overlap, verify_thread=self._shared_verify_thread,
                                 suffix_pool=self.suffix_pool)
 
+    def warm_up(self, max_batch: int | None = None) -> dict[str, float]:
+        """Pay now what the first requests would: the cost model of "auto" for batches of up to
+        ``max_batch`` rows, first calls of every decoding path (:mod:`specdec_rt.runtime.warmup`)."""
+        return warm_up(self, max_batch)
+
     def _shared_verify_thread(self) -> VerifyThread:
         if self._verify_thread is None:
             self._verify_thread = VerifyThread()
@@ -121,13 +123,9 @@ class Generator:
         """One sequence's committed tokens, step by step (chain or tree)."""
         cfg = request.loop_config(self.generation_defaults, self.eos_token_ids)
         plan = self.speculation_plan(config)
-        d = plan.drafter
-        num_draft_tokens, speculation = config.num_draft_tokens, config.speculation
-        stats.overlap = plan.overlapped
-        stats.prompt_tokens = len(prompt_ids)
-        stats.drafter = None if d is None else d.name
-        stats.speculation = speculation
-        stats.num_draft_tokens = num_draft_tokens
+        d, speculation = plan.drafter, config.speculation
+        stats.overlap, stats.prompt_tokens, stats.speculation = plan.overlapped, len(prompt_ids), speculation
+        stats.drafter, stats.num_draft_tokens = None if d is None else d.name, config.num_draft_tokens
         rng = np.random.default_rng(request.seed)
         if speculation == "chain":
             inner = run_chain(self.target, d, prompt_ids, cfg, rng, stats, plan.k, plan.policy, plan.verify_thread)

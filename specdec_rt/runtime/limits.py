@@ -28,6 +28,15 @@ def resolve_max_batch(requested: int | None, provider: str, draft_provider: str 
     return int(requested)
 
 
+def resolve_draft_context(requested: int | None) -> int | None:
+    """The most tokens the draft catches up before proposing (None: all; see DRAFT_CONTEXT)."""
+    if requested is None:
+        return None
+    if isinstance(requested, bool) or not isinstance(requested, (int, np.integer)) or requested < 1:
+        raise GenerationInputError(f"draft_context must be a positive number of tokens or None, got {requested!r}")
+    return int(requested)
+
+
 def resolve_context(bundle_max: int, requested: int | None) -> int:
     """Positions to preallocate K/V for: what was asked, else min(bundle maximum, 4096).
 

@@ -58,6 +58,9 @@ class ServerConfig:
     max_tokens_limit: int | None = None  # None: the context length
     metrics_prefix: str = "specdec"
     drain_timeout: float = 60.0
+    # measure / load the cost model and run every decoding path once before /health says ready
+    # (specdec-serve does; off here so that embedding apps and tests start at once)
+    warm_up: bool = False
     info: dict[str, Any] = field(default_factory=dict)  # shown by /health (provider, ...)
 
 
@@ -126,6 +129,8 @@ class SpecdecAPI:
         if getattr(self.scheduler, "metrics", None) is None:
             self.scheduler.metrics = self.metrics
         self.metrics.bind(self.scheduler)
+        if config.warm_up:
+            self.scheduler.warm_up = lambda: generator.warm_up(self.scheduler.capacity)
         self.context = generator.max_length
         self.max_tokens_limit = config.max_tokens_limit or self.context
         drafter = config.drafter
@@ -328,13 +333,13 @@ class SpecdecAPI:
     # -- operations --------------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
         s = self.scheduler
-        draining = s.draining
-        body = {"status": "draining" if draining else "ok", "model": self.config.model_name,
+        draining, warming = s.draining, not s.ready.is_set()
+        body = {"status": "draining" if draining else "warming" if warming else "ok", "model": self.config.model_name,
                 "queue_depth": s.queue_depth, "running": s.running, "max_queue": self.config.max_queue,
                 "max_batch": s.capacity,
                 "max_length": self.context, "has_draft": self.gen.draft_engine is not None, "pid": os.getpid(),
                 **self.config.info}
-        return JSONResponse(body, status_code=503 if draining else 200)
+        return JSONResponse(body, status_code=503 if draining or warming else 200)
 
     async def metrics_route(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -114,6 +114,9 @@ def build_parser(prog: str = "specdec-serve") -> argparse.ArgumentParser:
                    "dashboards built for vLLM read them unchanged)")
     g.add_argument("--malloc-arenas", type=int, default=1, help="cap glibc malloc arenas (keeps RSS flat under "
                    "load; 0: glibc's default)")
+    g.add_argument("--no-warm-up", action="store_true", help="answer /health with 200 at once instead of "
+                   "after the warm-up (cost model of 'auto' for every batch width, first call of every "
+                   "decoding path; ~0.3 s on the reference pair once the cost model is cached on disk)")
     g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     g.add_argument("--access-log", action="store_true", help="log every request")
     return ap
@@ -127,7 +130,7 @@ def config_from_args(args, bundle: Path):
         drafter=args.drafter, speculation=args.speculation, max_queue=args.max_queue, max_batch=args.max_batch,
         request_timeout=args.request_timeout, max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,
-        metrics_prefix=args.metrics_prefix, drain_timeout=args.drain_timeout,
+        metrics_prefix=args.metrics_prefix, drain_timeout=args.drain_timeout, warm_up=not args.no_warm_up,
         info={"provider": args.provider, "draft_provider": args.draft_provider or args.provider})
 
 

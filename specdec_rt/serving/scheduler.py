@@ -171,6 +171,9 @@ class SerialScheduler:
         self._draining = False
         self._stopped = False
         self._thread: threading.Thread | None = None
+        # run by the worker before any job (the generator's warm-up); ``ready`` is set after it
+        self.warm_up: Callable[[], object] | None = None
+        self.ready = threading.Event()
 
     # -- the interface the HTTP layer uses -------------------------------------------------------
     @property
@@ -191,6 +194,8 @@ class SerialScheduler:
         return self._draining
 
     def start(self) -> None:
+        if self.warm_up is None:
+            self.ready.set()
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name="specdec-worker", daemon=True)
             self._thread.start()
@@ -244,8 +249,16 @@ class SerialScheduler:
             self.metrics.finished(reason)
 
     def _work(self) -> None:
-        """The worker: wait for work, take it (:meth:`_take`, under the lock), run it; until
-        stopped and drained."""
+        """The worker: warm up (jobs queue meanwhile), then wait for work, take it (:meth:`_take`,
+        under the lock), run it; until stopped and drained."""
+        if self.warm_up is not None:
+            t0 = time.monotonic()
+            try:
+                self.warm_up()
+                log.info("warm in %.1f s", time.monotonic() - t0)
+            except Exception:  # noqa: BLE001 - a failed warm-up costs speed, not service
+                log.error("warm-up failed; serving cold:\n%s", traceback.format_exc())
+        self.ready.set()
         while True:
             with self._cond:
                 while not self._waiting and not self._stopped:
