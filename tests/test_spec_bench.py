@@ -99,3 +99,30 @@ def test_bad_suite_arguments(spec_bench_files, tmp_path, capsys):
     rc = main(["--bundle", str(spec_bench_files["bundle"]), "--suite", "spec-bench", "--out", str(tmp_path)])
     assert rc == 1
     assert "question.jsonl" in capsys.readouterr().err
+
+
+def test_edits_suite_end_to_end(spec_bench_files, tiny_pair, tmp_path):
+    """--suite edits: multi-turn sessions (chat template or plain text), every drafter exact, rows
+    per turn; the shipped workload loads; a bad workload is a clear error."""
+    from specdec_rt.bench.edits import load_sessions, shipped_workload
+
+    shipped = load_sessions("")
+    assert len(shipped) == 3 and all(len(s.edits) == 4 for s in shipped) and shipped_workload().endswith(".jsonl")
+    work = tmp_path / "edits.jsonl"
+    work.write_text(json.dumps({"session": "s", "path": "a.py", "file": "def f(x):\n    return x\n",
+                                "edits": ["Rename f to g.", "Add a docstring."]}) + "\n")
+    for bundle in (spec_bench_files["bundle"], tiny_pair["bundle"]):  # a chat template, then plain text
+        out = tmp_path / bundle.name
+        rc = main(["--bundle", str(bundle), "--suite", "edits", str(work), "--max-new-tokens", "12",
+                   "--repeats", "1", "--threads", "1", "--out", str(out), "--quiet"])
+        assert rc == 0
+        res = json.loads((out / "edits.json").read_text())
+        assert res["suite"] == "edits" and list(res["per_category"]) == ["turn 1", "turn 2"]
+        names = [r["system"] for r in res["overall"]]
+        assert names[0] == "target-only" and {"suffix K=auto", "suffix_hybrid K=auto", "model K=auto"} <= set(names)
+        assert all(r["identical_to_own_target_only"] for r in res["overall"])
+        assert "# Multi-turn code edits" in (out / "edits.md").read_text()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"session": "s"}\n')
+    with pytest.raises(GenerationInputError, match="not an edit session"):
+        load_sessions(str(bad))

@@ -275,8 +275,9 @@ def _fmt(v, spec: str = ".2f") -> str:
 
 def markdown(results: dict) -> str:
     s = results["settings"]
-    lines = [f"# Spec-Bench: {len(s['categories'])} categories x {s['per_category']} questions, "
-             f"{s['max_new_tokens']} new tokens, greedy", "",
+    title = results.get("title") or (f"Spec-Bench: {len(s['categories'])} categories x {s['per_category']} "
+                                      f"questions, {s['max_new_tokens']} new tokens, greedy")
+    lines = [f"# {title}", "",
              "Speedup: over our fastest target-only decoding, prompt processing included; 'own': over the same "
              "system's target-only; decode: after the first token (time to first token excluded). "
              "Identical: outputs equal to that system's own target-only decoding.", "",
@@ -290,16 +291,17 @@ def markdown(results: dict) -> str:
                      f"{_fmt(r['decode_speedup'])}x | {_fmt(r['tokens_per_target_call'])} | "
                      f"{_fmt(r['acceptance'])} | {_fmt(r['ttft_ms'], '.0f')} | {ident} |")
     names = [r["system"] for r in results["overall"]]
-    lines += ["", "## Speedup per category (over our fastest target-only)", "",
-              "| category | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    group = results.get("group_name", "category")
+    lines += ["", f"## Speedup per {group} (over our fastest target-only)", "",
+              f"| {group} | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for cat, rows in results["per_category"].items():
         cells = []
         for r in rows:
             mark = "" if r["identical_to_own_target_only"] in (None, True) else " (differs)"
             cells.append(f"{_fmt(r['speedup'])}{mark}")
         lines.append(f"| {cat} | " + " | ".join(cells) + " |")
-    lines += ["", "## Decode speedup per category (time to first token excluded)", "",
-              "| category | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    lines += ["", f"## Decode speedup per {group} (time to first token excluded)", "",
+              f"| {group} | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for cat, rows in results["per_category"].items():
         lines.append(f"| {cat} | " + " | ".join(_fmt(r["decode_speedup"]) for r in rows) + " |")
     for sk in results.get("skipped", []):
@@ -327,22 +329,23 @@ def plot(results: dict, path: Path) -> None:
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(x, cats, rotation=30, ha="right")
     ax.set_ylabel("speedup over our target-only")
-    ax.set_title("Spec-Bench per category")
+    ax.set_title(results.get("plot_title", "Spec-Bench per category"))
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def write(results: dict, out: Path) -> dict:
+def write(results: dict, out: Path, stem: str = "spec_bench") -> dict:
+    """``stem``.json, .md and .png (the per-group speedups) in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "spec_bench.json").write_text(json.dumps(results, indent=2))
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=2))
     md = markdown(results)
-    (out / "spec_bench.md").write_text(md + "\n")
-    files = ["spec_bench.json", "spec_bench.md"]
+    (out / f"{stem}.md").write_text(md + "\n")
+    files = [f"{stem}.json", f"{stem}.md"]
     try:
-        plot(results, out / "spec_bench.png")
-        files.append("spec_bench.png")
+        plot(results, out / f"{stem}.png")
+        files.append(f"{stem}.png")
     except ImportError:
         pass
     return {"markdown": md, "files": files}

@@ -21,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "lines); default: the reference pair's held-out prompts")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--k", default="1,2,4,8", help="draft lengths to run, comma separated")
-    ap.add_argument("--drafter", default="model,prompt_lookup", help="drafters, comma separated")
+    ap.add_argument("--drafter", default=None, help="drafters, comma separated (default model,prompt_lookup; "
+                    "with --suite edits: model,prompt_lookup,hybrid,suffix,suffix_hybrid)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--peers", default="",
                     help="transformers,onnxruntime-genai,llama.cpp (optional extras; llama.cpp needs its tools: "
@@ -54,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--suite", nargs="+", metavar=("NAME", "PATH"), default=None,
                     help="a benchmark suite instead of --prompts: 'spec-bench [question.jsonl]' runs Spec-Bench's "
                          "questions (first turns, chat template applied) and reports per category; writes "
-                         "spec_bench.json/.md/.png")
+                         "spec_bench.json/.md/.png. 'edits [sessions.jsonl]': multi-turn code edits (default: "
+                         "the shipped workload), every drafter at K=auto, per turn; writes edits.json/.md/.png")
+    ap.add_argument("--sessions", type=int, default=None, help="with --suite edits: the first N sessions")
     ap.add_argument("--categories", default=None, help="with --suite spec-bench: categories, comma separated (default all)")
     ap.add_argument("--questions-per-category", type=int, default=2,
                     help="with --suite spec-bench: the first N questions of each category (default 2)")
@@ -69,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.drafter_given = args.drafter is not None
+    args.drafter = args.drafter or "model,prompt_lookup"
 
     def run() -> int:
         from specdec_rt.bench import report
@@ -109,8 +114,17 @@ def _suite(args, argv) -> int:
     from specdec_rt.errors import GenerationInputError
 
     name, *rest = args.suite
-    if name != "spec-bench" or len(rest) > 1:
-        raise GenerationInputError(f"--suite takes 'spec-bench [PATH]', got {' '.join(args.suite)!r}")
+    if name not in ("spec-bench", "edits") or len(rest) > 1:
+        raise GenerationInputError(f"--suite takes 'spec-bench [PATH]' or 'edits [PATH]', got {' '.join(args.suite)!r}")
+    if name == "edits":
+        from specdec_rt.bench import edits
+
+        ecfg = edits.EditsConfig(bundle=args.bundle, questions=rest[0] if rest else "",
+                                 max_new_tokens=args.max_new_tokens, repeats=args.repeats, threads=args.threads,
+                                 sessions=args.sessions, progress=not args.quiet)
+        if args.drafter_given:
+            ecfg.drafters = _csv(args.drafter)
+        return _finish(edits.run_edits(ecfg), edits.write, args.out, argv)
     cfg = spec_bench.SpecBenchConfig(
         bundle=args.bundle, questions=rest[0] if rest else "",
         categories=_csv(args.categories) if args.categories else None, per_category=args.questions_per_category,
