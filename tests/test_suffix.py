@@ -198,3 +198,24 @@ def test_sampled_suffix_with_a_pool_follows_the_target(tiny_vocab_pair):
         proposed += gen.last_stats.proposed
         rejected += gen.last_stats.proposed - gen.last_stats.accepted
     assert_follows_joint(counts, joint, proposed, rejected)
+
+
+def test_goodput_cuts_each_proposal_where_its_tokens_per_second_peak():
+    """"auto" for the suffix drafter: a sure proposal runs long where verification is cheap, a
+    doubtful one is cut (or dropped) where verification is steep, and a drafter whose estimates
+    ran ahead of what was accepted is trusted less."""
+    from specdec_rt.runtime.cost_model import CostModel
+    from specdec_rt.runtime.policy import AdaptivePolicy
+    from specdec_rt.runtime.suffix import SuffixGoodput
+
+    flat = SuffixGoodput(AdaptivePolicy(CostModel([1.0 + 0.05 * s for s in range(16)], 0.0)))
+    steep = SuffixGoodput(AdaptivePolicy(CostModel([0.5 + 0.5 * (s + 1) for s in range(16)], 0.0)))
+    sure, doubtful = [1.0] * 10, [0.6, 0.3, 0.15, 0.08]
+    assert flat.length(sure, 1) == 10
+    assert 1 <= flat.length(doubtful, 1) < 4
+    assert steep.length([0.3, 0.1], 1) == 0  # each token costs half a step: a doubtful one does not pay
+    assert steep.length(sure, 1) == 10  # ... a sure one does
+    for _ in range(40):
+        flat.learn(10.0, 1)  # predicted 10 accepted tokens, got 1
+    assert flat.calibration < 0.2 and flat.length(doubtful, 1) < 2
+    assert flat.choose(1) in (0, flat.policy.k_max)

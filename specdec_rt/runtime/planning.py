@@ -13,7 +13,7 @@ from specdec_rt.runtime.hybrid import HybridDrafter, HybridPolicy
 from specdec_rt.runtime.overlap import VerifyThread
 from specdec_rt.runtime.policy_store import PolicyStore
 from specdec_rt.runtime.requests import NO_OVERLAP, SpeculationConfig
-from specdec_rt.runtime.suffix import SuffixDrafter, SuffixPool
+from specdec_rt.runtime.suffix import SuffixDrafter, SuffixGoodput, SuffixPool
 
 # a suffix proposal the suffix hybrid takes over the draft model's: at least this many expected
 # accepted tokens (the sum of its continuation frequencies; see suffix.py)
@@ -91,4 +91,6 @@ def plan_speculation(config: SpeculationConfig, width: int, *, draft_engine, voc
             policy.start()
             if isinstance(drafter, ModelDrafter) and policy.use_confidence_stop:
                 drafter.confidence_floor = policy.confidence_floor()
+            if isinstance(drafter, SuffixDrafter):  # each proposal cut where its goodput peaks
+                policy = drafter.goodput = SuffixGoodput(policy)
     return SpeculationPlan(k, policy, drafter, verify_thread() if overlap else None)
