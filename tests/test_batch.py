@@ -310,3 +310,53 @@ def test_run_cli_batch_file(tiny_gen, tiny_pair, tmp_path, capsys):
     bad.write_text("{not json\n")
     assert main(["--bundle", str(tiny_pair["bundle"]), "--batch-file", str(bad)]) == 1
     assert "line 1" in capsys.readouterr().err
+
+
+# -- trees in batches ------------------------------------------------------------------------------
+@pytest.mark.parametrize("k", [6, "auto"])
+def test_tree_batches_equal_single_trees_and_target_only(tiny_gen, k):
+    """speculation="tree" in generate_batch: every row drafts its own tree on its own draft
+    sequence, all rows verify in one target call (per-row tree masks), and each row's greedy
+    output is target-only's; rows join and leave (batch of 3, 6 prompts)."""
+    from specdec_rt.runtime.tree import TreeShape
+
+    prompts = PROMPTS[:6]
+    base = [_solo(tiny_gen, p, max_new_tokens=20, drafter=None, ignore_eos=True) for p in prompts]
+    out = tiny_gen.generate_batch(prompts, max_new_tokens=20, batch_size=3, speculation="tree",
+                                  num_draft_tokens=k, ignore_eos=True)
+    assert [r.token_ids for r in out] == base
+    assert all(r.stats.speculation == "tree" for r in out) and sum(r.stats.proposed for r in out) > 0
+    assert tiny_gen.last_batch_stats.mean_width > 1
+    shaped = tiny_gen.generate_batch(prompts[:3], max_new_tokens=20, speculation="tree",
+                                     tree_shape=TreeShape(budget=5, depth=3, width=2), ignore_eos=True)
+    assert [r.token_ids for r in shaped] == base[:3]
+    with pytest.raises(GenerationInputError, match="drafter='model'"):
+        tiny_gen.generate_batch(prompts[:2], speculation="tree", drafter="prompt_lookup")
+
+
+def test_sampled_tree_rows_in_batches_follow_target_distribution(tiny_vocab_pair):
+    """Sampled trees as rows of a batch of 8 (each row its own draws and acceptance): the
+    chi-square test of tests/test_sampling.py, greedy rows beside them staying target-only."""
+    from test_sampling import N_RUNS, PROMPT, assert_follows_joint, exact_joint
+
+    gen = specdec_rt.load(tiny_vocab_pair["bundle"], threads=1)
+    joint = exact_joint(tiny_vocab_pair["target"], 1.0, 0, 1.0)
+    greedy = _solo(gen, PROMPT, max_new_tokens=4, drafter=None, ignore_eos=True)
+    rows = []
+    for seed in range(N_RUNS):
+        rows.append({"prompt": PROMPT, "temperature": 1.0, "seed": seed})
+        if seed % 4 == 0:
+            rows.append({"prompt": PROMPT, "temperature": 0.0})
+    out = gen.generate_batch(rows, max_new_tokens=4, batch_size=8, speculation="tree", num_draft_tokens=4,
+                             top_k=0, top_p=1.0, ignore_eos=True)
+    counts = np.zeros_like(joint)
+    proposed = rejected = 0
+    for row, res in zip(rows, out):
+        if row["temperature"] == 0.0:
+            assert res.token_ids == greedy
+            continue
+        a, b, c = res.token_ids[:3]
+        counts[a, b, c] += 1
+        proposed += res.stats.proposed
+        rejected += res.stats.proposed - res.stats.accepted
+    assert_follows_joint(counts, joint, proposed, rejected)

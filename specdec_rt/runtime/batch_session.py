@@ -18,6 +18,7 @@ from specdec_rt.runtime.rows import Row
 from specdec_rt.runtime.sampling import SamplingParamsError
 from specdec_rt.runtime.speculative import BatchLoop
 from specdec_rt.runtime.stats import BatchStats, GenerationStats
+from specdec_rt.runtime.tree import batch_tree_step
 from specdec_rt.runtime.text_output import GenerationResult, TextAssembler, finish_reason
 
 
@@ -31,6 +32,7 @@ class GeneratorLike(Protocol):
     eos_token_ids: Sequence[int]
     max_length: int
     last_batch_stats: BatchStats
+    exact_trees: bool
 
     def encode_prompt(self, prompt) -> list[int]: ...
 
@@ -78,7 +80,9 @@ class BatchSession:
         self.plan = gen.speculation_plan(config, max_rows)
         self.stats = stats if stats is not None else BatchStats(max_rows=max_rows)
         p = self.plan
-        self.loop = BatchLoop(gen.target, p.drafter, max_rows, p.k, p.policy, self.stats, p.verify_thread)
+        stepper = (batch_tree_step(gen.target, p.drafter, config, gen.exact_trees)
+                   if config.speculation == "tree" else None)
+        self.loop = BatchLoop(gen.target, p.drafter, max_rows, p.k, p.policy, self.stats, p.verify_thread, stepper)
         self.rows: dict[int, SessionRow] = {}  # added and not closed yet
 
     # -- rows in ------------------------------------------------------------------------------
@@ -98,7 +102,7 @@ class BatchSession:
     def new_stats(self) -> GenerationStats:
         """A row's statistics, labelled with this session's speculation."""
         p = self.plan
-        return GenerationStats(drafter=None if p.drafter is None else p.drafter.name, speculation="chain",
+        return GenerationStats(drafter=None if p.drafter is None else p.drafter.name, speculation=self.config.speculation,
                                num_draft_tokens=self.config.num_draft_tokens, overlap=p.overlapped)
 
     @property

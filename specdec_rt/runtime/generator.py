@@ -114,8 +114,7 @@ class Generator:
         return warm_up(self, max_batch)
 
     def _shared_verify_thread(self) -> VerifyThread:
-        if self._verify_thread is None:
-            self._verify_thread = VerifyThread()
+        self._verify_thread = self._verify_thread or VerifyThread()
         return self._verify_thread
 
     def _loop(self, prompt_ids: list[int], request: RowRequest, config: SpeculationConfig,
@@ -238,7 +237,8 @@ class Generator:
                      temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                      seed: int | None = None, num_draft_tokens: int | str = "auto", drafter: str | None = "model",
                      stop: Sequence[str] | str | None = None, do_sample: bool | None = None,
-                     ignore_eos: bool = False, overlap: bool | None = None, user: str | None = None) -> BatchStream:
+                     ignore_eos: bool = False, overlap: bool | None = None, user: str | None = None,
+                     speculation: str = "chain", tree_shape=None) -> BatchStream:
         """:meth:`generate_batch` as it runs: iterate the returned :class:`BatchStream` for
         ``(index, text piece)`` pairs; its ``results`` fill in as rows progress and
         ``cancel(index)`` ends one row (the others are not affected)."""
@@ -253,7 +253,7 @@ class Generator:
             raise GenerationInputError(
                 f"batch_size {width} exceeds this generator's maximum of {self.max_batch} sequences "
                 f"(load(..., max_batch={width}) on the CPU provider; GPU providers run one at a time)")
-        session = BatchSession(self, SpeculationConfig(num_draft_tokens, drafter, "chain", overlap), width)
+        session = BatchSession(self, SpeculationConfig(num_draft_tokens, drafter, speculation, overlap, tree_shape), width)
         defaults = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                         seed=seed, stop=stop, do_sample=do_sample, ignore_eos=ignore_eos, user=user)
         return BatchStream.from_prompts(session, prompts, defaults)
@@ -263,8 +263,8 @@ class Generator:
                        top_p: float | None = None, seed: int | None = None,
                        num_draft_tokens: int | str = "auto", drafter: str | None = "model",
                        stop: Sequence[str] | str | None = None, do_sample: bool | None = None,
-                       ignore_eos: bool = False, overlap: bool | None = None,
-                       user: str | None = None) -> list[GenerationResult]:
+                       ignore_eos: bool = False, overlap: bool | None = None, user: str | None = None,
+                       speculation: str = "chain", tree_shape=None) -> list[GenerationResult]:
         """Complete many prompts with up to ``batch_size`` of them decoding at once (default:
         all of them, at most :attr:`max_batch`); returns one result per prompt, in order.
 
@@ -283,11 +283,13 @@ class Generator:
         for the context, bad sampling values) gets ``finish_reason="error"`` and the message in
         ``error``; the others run. ``last_batch_stats`` holds the batch's totals. ``overlap``:
         the draft looks ahead for every row while the target verifies (see :meth:`stream`).
+        ``speculation="tree"``: every row verifies a token tree (a fixed shape: ``tree_shape``, or
+        one of ``num_draft_tokens`` nodes, 15 with "auto"), all rows in one target call.
         """
         run = self.stream_batch(prompts, max_new_tokens, batch_size=batch_size, temperature=temperature,
                                 top_k=top_k, top_p=top_p, seed=seed, num_draft_tokens=num_draft_tokens,
                                 drafter=drafter, stop=stop, do_sample=do_sample, ignore_eos=ignore_eos,
-                                overlap=overlap, user=user)
+                                overlap=overlap, user=user, speculation=speculation, tree_shape=tree_shape)
         for _ in run:
             pass
         for res, text in zip(run.results, run.texts):

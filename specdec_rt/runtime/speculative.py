@@ -116,6 +116,22 @@ def commit_row(target: OrtEngine, drafter, row: Row, candidates: list[int], prop
     return new
 
 
+def keep_path(target: OrtEngine, drafter, row: Row, ids, path: list[int], nxt: int, proposed: int,
+              depth: int | None = None) -> list[int]:
+    """The commit after verification, chains and trees alike: ``ids`` were verified as a token
+    tree rooted at the row's last committed token (a chain: node i + 1 the only child of node i)
+    and ``path`` (root first) was accepted, with the target's token ``nxt`` after it. The target
+    keeps the path's K/V (in place when the path is the call's first slots, as a chain's always
+    is; else compacted into them) and the row commits the path's tokens and ``nxt``
+    (:func:`commit_row`). Returns the row's new tokens."""
+    if path[-1] == len(path) - 1:
+        target.commit(len(path), row.seq)
+    else:
+        target.compact(path, row.seq)
+    return commit_row(target, drafter, row, [int(ids[i]) for i in path[1:]] + [nxt], proposed, len(path) - 1,
+                      depth)
+
+
 def _extend(drafter: Drafter, rows: list[Row], counts: list[int]) -> None:
     """Draft ``counts[i]`` more tokens past ``rows[i]``'s committed and ahead tokens."""
     views = [r if not r.ahead else RowView(r.tokens + r.ahead, r.cfg, r.rng, r.seq) for r in rows]
@@ -214,11 +230,10 @@ def _step(target: OrtEngine, drafter: Drafter | None, rows: list[Row], k: int,
         n_acc, nxt, kept = _accept(r, drafts, q, x, guess)
         r.drop_ahead(len(drafts) + 1 if kept else len(r.ahead))
         stats.lookahead_hits += kept
-        target.commit(n_acc + 1, r.seq)
-        stats.time_verify += time.perf_counter() - t0
         if drafts and policy is not None:
             policy.observe(len(drafts), n_acc)
-        out.append(commit_row(target, drafter, r, drafts[:n_acc] + [nxt], len(drafts), n_acc))
+        stats.time_verify += time.perf_counter() - t0
+        out.append(keep_path(target, drafter, r, [r.tokens[-1]] + drafts, list(range(n_acc + 1)), nxt, len(drafts)))
     report = drafter.report if drafter is not None else None
     if observe is not None and not (report is not None and report.long_catch_up):
         observe(max(len(d) for d, _ in proposals), policy.clock() - step_t0, len(rows), draft_seconds=draft_seconds,
@@ -238,8 +253,10 @@ class BatchLoop:
 
     def __init__(self, target: OrtEngine, drafter: Drafter | None, max_rows: int = 1, num_draft_tokens: int = 4,
                  policy: DraftLengthPolicy | None = None, batch_stats: BatchStats | None = None,
-                 overlap: VerifyThread | None = None) -> None:
+                 overlap: VerifyThread | None = None,
+                 stepper: Callable[[list[Row]], list[list[int]]] | None = None) -> None:
         self.target, self.drafter, self.policy, self.overlap = target, drafter, policy, overlap
+        self.stepper = stepper  # another step over the active rows (trees: tree.TreeStep); None: chains
         self.num_draft_tokens = num_draft_tokens
         self.batch_stats = batch_stats
         self.free = list(range(max_rows - 1, -1, -1))  # cache sequences, lowest first
@@ -273,12 +290,17 @@ class BatchLoop:
         self.release()
         if not self.active:
             return []
-        k = self.policy.choose(len(self.active)) if self.policy is not None else self.num_draft_tokens
+        if self.stepper is not None:
+            k = 0
+            new = self.stepper(self.active)
+        else:
+            k = self.policy.choose(len(self.active)) if self.policy is not None else self.num_draft_tokens
+            new = _step(self.target, self.drafter, self.active, k, self.policy, self.overlap)
         if self.batch_stats is not None:
             self.batch_stats.steps += 1
             self.batch_stats.row_steps += len(self.active)
             self.batch_stats.ks.append(k)
-        return list(zip(self.active, _step(self.target, self.drafter, self.active, k, self.policy, self.overlap)))
+        return list(zip(self.active, new))
 
     def drive(self, source: Iterable[T], admit: Callable[[T], Iterable[U]],
               step: Callable[[], Iterable[U]]) -> Iterator[U]:
@@ -309,8 +331,8 @@ class BatchLoop:
 
 def run_batch(target: OrtEngine, drafter: Drafter | None, rows: Iterable[Row], max_rows: int = 1,
               num_draft_tokens: int = 4, policy: DraftLengthPolicy | None = None,
-              batch_stats: BatchStats | None = None,
-              overlap: VerifyThread | None = None) -> Iterator[tuple[Row, list[int]]]:
+              batch_stats: BatchStats | None = None, overlap: VerifyThread | None = None,
+              stepper: Callable[[list[Row]], list[list[int]]] | None = None) -> Iterator[tuple[Row, list[int]]]:
     """Decode ``rows`` with at most ``max_rows`` in flight; yield (row, newly committed ids),
     one pair per row per target call it took part in (its prefill first).
 
@@ -318,9 +340,9 @@ def run_batch(target: OrtEngine, drafter: Drafter | None, rows: Iterable[Row], m
     yields :data:`WAIT` has none now and is asked again after the next step). A row whose prefill
     fails (e.g. its prompt does not fit) gets ``error`` and ``finished="error"`` and the others go
     on. The consumer may set ``row.finished`` (stop string, cancellation) after any yield: the
-    row leaves before the next step. See :class:`BatchLoop` for K and ``overlap``.
+    row leaves before the next step. See :class:`BatchLoop` for K, ``overlap`` and ``stepper``.
     """
-    loop = BatchLoop(target, drafter, max_rows, num_draft_tokens, policy, batch_stats, overlap)
+    loop = BatchLoop(target, drafter, max_rows, num_draft_tokens, policy, batch_stats, overlap, stepper)
     yield from loop.drive(rows, lambda row: [(row, loop.admit(row))], loop.step)
 
 

@@ -31,14 +31,14 @@ from specdec_rt.runtime.sampling import probabilities, sample
 from specdec_rt.runtime.policy_store import PolicyStore
 from specdec_rt.runtime.requests import SpeculationConfig
 from specdec_rt.runtime.rows import LoopConfig, Row
-from specdec_rt.runtime.speculative import commit_row, start_row
+from specdec_rt.runtime.speculative import keep_path, run_batch, start_row
 from specdec_rt.runtime.stats import GenerationStats
 from specdec_rt.runtime.tree_drafters import TemplateDrafter, TreeDrafter, TreeNode, tree_visibility
 from specdec_rt.runtime.tree_shapes import FixedTemplate, Template, TreeShape
 
 # the shapes and drafters live in tree_shapes / tree_drafters; their names stay importable from here
-__all__ = ["FixedTemplate", "Template", "TemplateDrafter", "TreeDrafter", "TreeNode", "TreeShape", "run_tree",
-           "tree_generation", "tree_visibility"]
+__all__ = ["FixedTemplate", "Template", "TemplateDrafter", "TreeDrafter", "TreeNode", "TreeShape", "TreeStep",
+           "batch_tree_step", "run_tree", "tree_generation", "tree_visibility"]
 
 
 def _accept_greedy(tree: list[TreeNode], argmax: np.ndarray) -> tuple[list[int], int]:
@@ -77,14 +77,7 @@ def tree_generation(target: OrtEngine, drafter, prompt: list[int], cfg: LoopConf
                     exact_trees: bool) -> Iterator[list[int]]:
     """A ``speculation="tree"`` generation as ``config`` asks: a fixed template, the shape
     policy ("auto" without a shape), or a dynamic tree of ``num_draft_tokens`` nodes."""
-    if not isinstance(drafter, ModelDrafter):
-        raise GenerationInputError("speculation='tree' needs drafter='model'")
-    if not exact_trees:
-        raise GenerationInputError(
-            "this bundle's target sums attention in float32 (exported with --portable, "
-            "--target-attention native or fused, or by an older specdec-rt), so tree verification would not be "
-            "token-identical to target-only decoding; use speculation='chain' or re-export with "
-            "--target-attention fp64")
+    check_tree_setting(drafter, exact_trees)
     shape = config.tree_shape
     if isinstance(shape, Template):
         return run_tree(target, drafter, prompt, cfg, rng, stats, policy=FixedTemplate(shape))
@@ -96,47 +89,99 @@ def tree_generation(target: OrtEngine, drafter, prompt: list[int], cfg: LoopConf
     return run_tree(target, drafter, prompt, cfg, rng, stats, shape or TreeShape.for_budget(budget))
 
 
+def batch_tree_step(target: OrtEngine, drafter, config: SpeculationConfig, exact_trees: bool) -> TreeStep:
+    """The tree step of a batch session (``generate_batch(..., speculation="tree")``): the same
+    checks as one sequence's trees; a fixed :class:`TreeShape` (``tree_shape``, else one of
+    ``num_draft_tokens`` nodes, 15 under "auto": the shape policy chooses per sequence, so batched
+    trees take a fixed shape)."""
+    check_tree_setting(drafter, exact_trees)
+    shape = config.tree_shape
+    if isinstance(shape, Template):
+        raise GenerationInputError("batched trees take a TreeShape or a node budget, not a fixed Template")
+    budget = 15 if config.auto else max(1, int(config.num_draft_tokens))
+    return TreeStep(target, drafter, shape or TreeShape.for_budget(budget))
+
+
+def check_tree_setting(drafter, exact_trees: bool) -> None:
+    """Trees need the draft model and a target whose tree verification is exact."""
+    if not isinstance(drafter, ModelDrafter):
+        raise GenerationInputError("speculation='tree' needs drafter='model'")
+    if not exact_trees:
+        raise GenerationInputError(
+            "this bundle's target sums attention in float32 (exported with --portable, "
+            "--target-attention native or fused, or by an older specdec-rt), so tree verification would not be "
+            "token-identical to target-only decoding; use speculation='chain' or re-export with "
+            "--target-attention fp64")
+
+
 def run_tree(target: OrtEngine, drafter: ModelDrafter, prompt: list[int], cfg: LoopConfig,
              rng: np.random.Generator, stats: GenerationStats,
              shape: TreeShape | None = None, policy=None) -> Iterator[list[int]]:
     """Like :func:`run_chain`, verifying a token tree per target call: a fixed-budget
-    :class:`TreeShape`, or with ``policy`` (:class:`~specdec_rt.runtime.tree_policy.TreePolicy`) the
-    template it chooses per step."""
-    shape = shape or TreeShape()
-    params = cfg.params
-    row = Row(prompt, cfg, rng, stats, seq=0)  # one sequence: the batch loop's row, start and commit
-    yield start_row(target, drafter, row)
-    if policy is not None:
-        yield from _run_templates(target, drafter, row, policy)
+    :class:`TreeShape` (the batch loop with :class:`TreeStep`, one row), or with ``policy``
+    (:class:`~specdec_rt.runtime.tree_policy.TreePolicy`) the template it chooses per step."""
+    row = Row(prompt, cfg, rng, stats)
+    if policy is None:
+        for _, new in run_batch(target, drafter, [row], 1, stepper=TreeStep(target, drafter, shape or TreeShape())):
+            if row.error is not None:
+                raise row.error
+            yield new
         return
-    tree_drafter = TreeDrafter(drafter, shape)
-    while not row.finished:
-        p0 = target.length
-        if p0 + 1 >= target.max_len:
-            return
+    row.seq = 0
+    yield start_row(target, drafter, row)
+    yield from _run_templates(target, drafter, row, policy)
+
+
+class TreeStep:
+    """One tree step of every row of a batch (:class:`~specdec_rt.runtime.speculative.BatchLoop`'s
+    ``stepper``): each row's tree drafted on its own draft sequence (:class:`TreeDrafter`), all
+    trees verified in one target call (each row its own tree mask at its own length), each
+    accepted (greedy: the target's argmax walk; sampled: recursive rejection sampling) and
+    committed by :func:`~specdec_rt.runtime.speculative.keep_path`, as chains are."""
+
+    def __init__(self, target: OrtEngine, drafter: ModelDrafter, shape: TreeShape) -> None:
+        self.target, self.drafter = target, drafter
+        self.tree_drafter = TreeDrafter(drafter, shape)
+
+    def __call__(self, rows: list[Row]) -> list[list[int]]:
+        target = self.target
+        out: list[list[int]] = [[] for _ in rows]
+        live, trees, ids, positions, masks = [], [], [], [], []
+        for i, row in enumerate(rows):
+            p0 = target.lengths[row.seq]
+            if p0 + 1 >= target.max_len:
+                row.finished = "context"
+                continue
+            t0 = time.perf_counter()
+            tree = self.tree_drafter.build(row.tokens, row.cfg.params, row.rng, row.seq)
+            row.stats.time_draft += time.perf_counter() - t0
+            room = target.max_len - p0
+            if len(tree) > room:  # near the context end: keep what fits (BFS order keeps parents)
+                tree = tree[:room]
+                for node in tree:
+                    node.children = {t: c for t, c in node.children.items() if c < room}
+            depth = np.asarray([n.depth for n in tree], dtype=np.int64)
+            live.append(i)
+            trees.append(tree)
+            ids.append(np.asarray([n.token for n in tree], dtype=np.int64))
+            positions.append(p0 + depth)
+            masks.append(tree_mask(p0, np.zeros((len(tree), 0), dtype=bool), p0 + depth,
+                                   target.info.sliding_window, new_block=tree_visibility(tree)))
+        if not live:
+            return out
         t0 = time.perf_counter()
-        tree = tree_drafter.build(row.tokens, params, rng)
-        stats.time_draft += time.perf_counter() - t0
-        room = target.max_len - p0
-        if len(tree) > room:  # near the context end: keep what fits (BFS order keeps parents)
-            tree = tree[:room]
-            for node in tree:
-                node.children = {t: c for t, c in node.children.items() if c < room}
-        t0 = time.perf_counter()
-        vis = tree_visibility(tree)
-        depth = np.asarray([n.depth for n in tree], dtype=np.int64)
-        mask = tree_mask(p0, np.zeros((len(tree), 0), dtype=bool), p0 + depth, target.info.sliding_window,
-                         new_block=vis)
-        ids = np.asarray([n.token for n in tree], dtype=np.int64)
-        logits = target.forward(ids, p0 + depth, mask)
-        if params.greedy:
-            path, nxt = _accept_greedy(tree, np.argmax(logits, axis=-1))
-        else:
-            path, nxt = _accept_sampled(tree, probabilities(logits, params), rng)
-        target.compact(path)
-        stats.time_verify += time.perf_counter() - t0
-        yield commit_row(target, drafter, row, [tree[i].token for i in path[1:]] + [nxt], len(tree) - 1,
-                         len(path) - 1, depth=int(depth.max()))
+        logits = target.forward_rows([rows[i].seq for i in live], ids, positions, masks)
+        for i, tree, x, row_ids, pos in zip(live, trees, logits, ids, positions):
+            row = rows[i]
+            params = row.cfg.params
+            if params.greedy:
+                path, nxt = _accept_greedy(tree, np.argmax(x, axis=-1))
+            else:
+                path, nxt = _accept_sampled(tree, probabilities(x, params), row.rng)
+            row.stats.time_verify += time.perf_counter() - t0
+            out[i] = keep_path(target, self.drafter, row, row_ids, path, nxt, len(tree) - 1,
+                               depth=int(pos.max() - pos[0]))
+        return out
 
 
 def _run_templates(target: OrtEngine, drafter: ModelDrafter, row: Row, policy) -> Iterator[list[int]]:
@@ -150,7 +195,7 @@ def _run_templates(target: OrtEngine, drafter: ModelDrafter, row: Row, policy) -
     dr = TemplateDrafter(drafter)
     d_eng = drafter.engine
     while not row.finished:
-        p0 = target.length
+        p0 = target.lengths[row.seq]
         if p0 + 1 >= target.max_len:
             return
         # nodes incl. the root: the target's and the draft's room, and no more than the budget
@@ -173,7 +218,7 @@ def _run_templates(target: OrtEngine, drafter: ModelDrafter, row: Row, policy) -
             mask = np.zeros((n, p0 + n), dtype=np.float32)
             mask[:, p0:] = tpl.block
         v0 = policy.clock()
-        logits = target.forward(ids, pos, mask)
+        logits = target.forward_rows([row.seq], [ids], [pos], [mask])[0]
         verify_seconds = policy.clock() - v0
         children = tpl.children
         if greedy:
@@ -212,13 +257,8 @@ def _run_templates(target: OrtEngine, drafter: ModelDrafter, row: Row, policy) -
                 second = float(np.minimum(resid / z, q).sum()) if z > 0 else 0.0
                 policy.observe(int(tpl.depths[u]) + 1, first, second)
         policy.end_step()
-        if path[-1] == len(path) - 1:  # the first nodes in order (always, for a chain)
-            target.commit(len(path))
-        else:
-            target.compact(path)
         stats.time_verify += time.perf_counter() - t1
-        new = commit_row(target, drafter, row, [int(ids[i]) for i in path[1:]] + [nxt_tok], n - 1, len(path) - 1,
-                         depth=tpl.max_depth)
+        new = keep_path(target, drafter, row, ids, path, int(nxt_tok), n - 1, depth=tpl.max_depth)
         # calibrates the shape model to this machine (not from a step that caught up a prompt)
         # (a root-only step drafts nothing, and observe_step learns nothing from it)
         if not dr.report.long_catch_up:

@@ -34,10 +34,13 @@ class TreeDrafter:
         self.d = drafter
         self.shape = shape
 
-    def build(self, tokens: list[int], params: SamplingParams, rng: np.random.Generator) -> list[TreeNode]:
+    def build(self, tokens: list[int], params: SamplingParams, rng: np.random.Generator,
+              seq: int = 0) -> list[TreeNode]:
+        """The tree after ``tokens`` (its root: the last one), drafted on the draft's cache
+        sequence ``seq``."""
         d, eng, shape = self.d, self.d.engine, self.shape
-        root_row = d.advance(d.unseen(tokens))  # catch up; the last token is the root
-        base = eng.length  # committed draft prefix incl. the root
+        root_row = d.advance(d.unseen(tokens, seq), seq)  # catch up; the last token is the root
+        base = eng.lengths[seq]  # committed draft prefix incl. the root
         root_pos = base - 1  # the draft's own position of the root (its history may be cut: unseen())
         nodes = [TreeNode(tokens[-1], -1, 0, 0.0)]
         frontier = [0]
@@ -79,11 +82,11 @@ class TreeDrafter:
             # columns: committed prefix (positions 0..base-1), then the tree region
             mask = tree_mask(base, visible[:, :len(region) - len(frontier)], pos, eng.info.sliding_window,
                              new_block=visible[:, len(region) - len(frontier):])
-            logits = eng.forward(ids, pos, mask)
-            eng.commit(len(frontier))
+            logits = eng.forward(ids, pos, mask, seq)
+            eng.commit(len(frontier), seq)
             d.calls += 1
             rows = {ni: logits[r] for r, ni in enumerate(frontier)}
-        eng.rollback(base)  # tree nodes never enter the draft's committed cache
+        eng.rollback(base, seq)  # tree nodes never enter the draft's committed cache
         if params.greedy and nodes[backbone[-1]].children:  # the deepest level's top child
             backbone.append(max(nodes[backbone[-1]].children.values(), key=lambda i: nodes[i].score))
         return self._select(nodes, params, backbone)
