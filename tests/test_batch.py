@@ -163,10 +163,12 @@ def test_mixed_greedy_and_sampled_rows_equal_their_single_runs(tiny_gen):
         assert [r.token_ids for r in out] == base
 
 
-@pytest.mark.parametrize("drafter, k", [("model", 2), ("prompt_lookup", 2)])
-def test_sampled_rows_in_batches_follow_target_distribution(tiny_vocab_pair, drafter, k):
+@pytest.mark.parametrize("drafter, k, speculation", [("model", 2, "chain"), ("prompt_lookup", 2, "chain"),
+                                                     ("model", 4, "tree")])
+def test_sampled_rows_in_batches_follow_target_distribution(tiny_vocab_pair, drafter, k, speculation):
     """tests/test_sampling.py's chi-square test with every run a row of a batch of 8, next to
-    greedy rows (which must stay target-only greedy)."""
+    greedy rows (which must stay target-only greedy); chains, and trees (each row its own tree,
+    draws and acceptance)."""
     from test_sampling import N_RUNS, PROMPT, assert_follows_joint, exact_joint
 
     gen = specdec_rt.load(tiny_vocab_pair["bundle"], threads=1)
@@ -178,7 +180,7 @@ def test_sampled_rows_in_batches_follow_target_distribution(tiny_vocab_pair, dra
         if seed % 4 == 0:
             rows.append({"prompt": PROMPT, "temperature": 0.0})
     out = gen.generate_batch(rows, max_new_tokens=4, batch_size=8, drafter=drafter, num_draft_tokens=k,
-                             top_k=0, top_p=1.0, ignore_eos=True)
+                             top_k=0, top_p=1.0, ignore_eos=True, speculation=speculation)
     assert gen.last_batch_stats.mean_width > 7
     counts = np.zeros_like(joint)
     proposed = rejected = 0
@@ -333,30 +335,3 @@ def test_tree_batches_equal_single_trees_and_target_only(tiny_gen, k):
     with pytest.raises(GenerationInputError, match="drafter='model'"):
         tiny_gen.generate_batch(prompts[:2], speculation="tree", drafter="prompt_lookup")
 
-
-def test_sampled_tree_rows_in_batches_follow_target_distribution(tiny_vocab_pair):
-    """Sampled trees as rows of a batch of 8 (each row its own draws and acceptance): the
-    chi-square test of tests/test_sampling.py, greedy rows beside them staying target-only."""
-    from test_sampling import N_RUNS, PROMPT, assert_follows_joint, exact_joint
-
-    gen = specdec_rt.load(tiny_vocab_pair["bundle"], threads=1)
-    joint = exact_joint(tiny_vocab_pair["target"], 1.0, 0, 1.0)
-    greedy = _solo(gen, PROMPT, max_new_tokens=4, drafter=None, ignore_eos=True)
-    rows = []
-    for seed in range(N_RUNS):
-        rows.append({"prompt": PROMPT, "temperature": 1.0, "seed": seed})
-        if seed % 4 == 0:
-            rows.append({"prompt": PROMPT, "temperature": 0.0})
-    out = gen.generate_batch(rows, max_new_tokens=4, batch_size=8, speculation="tree", num_draft_tokens=4,
-                             top_k=0, top_p=1.0, ignore_eos=True)
-    counts = np.zeros_like(joint)
-    proposed = rejected = 0
-    for row, res in zip(rows, out):
-        if row["temperature"] == 0.0:
-            assert res.token_ids == greedy
-            continue
-        a, b, c = res.token_ids[:3]
-        counts[a, b, c] += 1
-        proposed += res.stats.proposed
-        rejected += res.stats.proposed - res.stats.accepted
-    assert_follows_joint(counts, joint, proposed, rejected)

@@ -72,16 +72,10 @@ def test_hybrid_batch_and_errors(tiny_pair, tiny_gen):
 
 def test_sampled_hybrid_follows_the_target(tiny_vocab_pair):
     import specdec_rt
-    from test_sampling import N_RUNS, PROMPT, assert_follows_joint, exact_joint
+    from test_sampling import assert_follows_joint, exact_joint, sampled_counts
 
     gen = specdec_rt.load(tiny_vocab_pair["bundle"], threads=1)
     joint = exact_joint(tiny_vocab_pair["target"], 1.0, 0, 1.0)
-    counts = np.zeros_like(joint)
-    proposed = rejected = 0
-    for seed in range(N_RUNS):
-        out = gen.generate_ids(PROMPT, max_new_tokens=4, seed=seed, ignore_eos=True, temperature=1.0, top_k=0,
-                               top_p=1.0, drafter="hybrid", num_draft_tokens=2)
-        counts[out[0], out[1], out[2]] += 1
-        proposed += gen.last_stats.proposed
-        rejected += gen.last_stats.proposed - gen.last_stats.accepted
+    counts, proposed, rejected = sampled_counts(gen, joint.shape, temperature=1.0, top_k=0, top_p=1.0,
+                                                drafter="hybrid", num_draft_tokens=2)
     assert_follows_joint(counts, joint, proposed, rejected)

@@ -83,6 +83,19 @@ def assert_follows_joint(counts: np.ndarray, joint: np.ndarray, proposed: int, r
     assert chi2_pvalue(counts.sum(axis=(0, 1)), joint.sum(axis=(0, 1))) > ALPHA
 
 
+def sampled_counts(gen, joint_shape, **kwargs) -> tuple[np.ndarray, int, int]:
+    """N_RUNS seeded generations of 4 tokens after PROMPT with ``kwargs``: counts of tokens 1-3,
+    draft tokens proposed, and rejected."""
+    counts = np.zeros(joint_shape)
+    proposed = rejected = 0
+    for seed in range(N_RUNS):
+        out = gen.generate_ids(PROMPT, max_new_tokens=4, seed=seed, ignore_eos=True, **kwargs)
+        counts[out[0], out[1], out[2]] += 1
+        proposed += gen.last_stats.proposed
+        rejected += gen.last_stats.proposed - gen.last_stats.accepted
+    return counts, proposed, rejected
+
+
 @pytest.fixture(scope="module")
 def gen(tiny_vocab_pair):
     import specdec_rt

@@ -185,18 +185,12 @@ def test_sampled_suffix_with_a_pool_follows_the_target(tiny_vocab_pair):
     """Proposals from the request and from earlier samples (a shared pool): the tokens still follow
     the target's law, chi-square tested against the exact joint of tokens 1-3."""
     import specdec_rt
-    from test_sampling import N_RUNS, PROMPT, assert_follows_joint, exact_joint
+    from test_sampling import assert_follows_joint, exact_joint, sampled_counts
 
     gen = specdec_rt.load(tiny_vocab_pair["bundle"], threads=1, suffix_pool=SuffixPool(2000, per_user=False))
     joint = exact_joint(tiny_vocab_pair["target"], 1.0, 0, 1.0)
-    counts = np.zeros_like(joint)
-    proposed = rejected = 0
-    for seed in range(N_RUNS):
-        out = gen.generate_ids(PROMPT, max_new_tokens=4, seed=seed, ignore_eos=True, temperature=1.0, top_k=0,
-                               top_p=1.0, drafter="suffix", num_draft_tokens=2)
-        counts[out[0], out[1], out[2]] += 1
-        proposed += gen.last_stats.proposed
-        rejected += gen.last_stats.proposed - gen.last_stats.accepted
+    counts, proposed, rejected = sampled_counts(gen, joint.shape, temperature=1.0, top_k=0, top_p=1.0,
+                                                drafter="suffix", num_draft_tokens=2)
     assert_follows_joint(counts, joint, proposed, rejected)
 
 

@@ -25,6 +25,7 @@ from specdec_rt.runtime.drafters import Drafter, DraftReport, ModelDrafter, Prom
 
 if TYPE_CHECKING:
     from specdec_rt.runtime.policy import AdaptivePolicy
+    from specdec_rt.runtime.suffix import SuffixGoodput
     from specdec_rt.runtime.rows import Row
 
 LOOKUP, MODEL = "prompt_lookup", "model"
@@ -33,7 +34,7 @@ LOOKUP, MODEL = "prompt_lookup", "model"
 class HybridPolicy:
     """Two adaptive policies, one per source; the drafter asks for each one's K."""
 
-    def __init__(self, lookup: AdaptivePolicy, model: AdaptivePolicy) -> None:
+    def __init__(self, lookup: AdaptivePolicy | SuffixGoodput, model: AdaptivePolicy) -> None:
         self.lookup, self.model = lookup, model
         self.clock = model.clock
         self.k = {LOOKUP: 0, MODEL: 0}
@@ -48,7 +49,7 @@ class HybridPolicy:
         self.last_k = max(self.k.values())
         return self.last_k
 
-    def _policy(self, source: str) -> AdaptivePolicy:
+    def _policy(self, source: str) -> AdaptivePolicy | SuffixGoodput:
         return self.lookup if source == LOOKUP else self.model
 
     def observe(self, proposed: int, accepted: int) -> None:

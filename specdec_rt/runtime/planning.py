@@ -85,6 +85,8 @@ def plan_speculation(config: SpeculationConfig, width: int, *, draft_engine, voc
                              policies.chain("model", width, scope=drafter.name + ":"))
             lookup.start()  # a new generation (prompt lookup's estimates are per prompt)
             model.start()
+            if isinstance(drafter.lookup, SuffixDrafter):  # its proposals cut where their goodput peaks
+                lookup = drafter.lookup.goodput = SuffixGoodput(lookup)
             policy = drafter.policy = HybridPolicy(lookup, model)
         else:
             policy = policies.chain(config.drafter, width, overlap)
