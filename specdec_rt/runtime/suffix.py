@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SuffixTrie", "SuffixPool", "SuffixDrafter", "SuffixProposal", "SuffixGoodput"]
 
+
 class SuffixPool:
     """Recent requests' outputs, for suffix drafting across requests (opt-in: ``suffix_pool`` of
     :func:`specdec_rt.load`, ``--suffix-pool`` of the server).
@@ -269,7 +270,8 @@ class SuffixDrafter:
         if s is not None:
             s.tokens = step.tokens
         p = self._last.pop(step.seq, None)
-        if p is not None and step.proposed and self.goodput is not None:
+        # only what this drafter proposed (in a hybrid, an empty proposal went to the model)
+        if p is not None and p.tokens and step.proposed and self.goodput is not None:
             self.goodput.learn(sum(p.probs[:step.proposed]), step.accepted)
 
     def end(self, seq: int = 0) -> None:
