@@ -30,9 +30,9 @@ class SpeculationConfig:
 
     ``num_draft_tokens``: K, 0..64, or ``"auto"`` (the cost-model policy; trees: the shape policy,
     or a node budget when an integer); ``drafter``: "model", "prompt_lookup", "hybrid", "suffix",
-    "suffix_hybrid" or None ("none") for target-only decoding; ``speculation``: "chain" or "tree"; ``overlap``: draft the
-    next block while the target verifies (None: the generator's default); ``tree_shape``: a fixed
-    tree template (trees only).
+    "suffix_hybrid" or None ("none") for target-only decoding; ``speculation``: "chain" or "tree";
+    ``overlap``: draft the next block while the target verifies (None: the generator's default);
+    ``tree_shape``: a fixed tree template or shape (trees only).
     """
 
     num_draft_tokens: int | str = "auto"
