@@ -790,9 +790,10 @@ def test_suffix_drafter_with_a_per_user_pool_through_the_server(tiny_pair, tiny_
             out = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=24, temperature=0, **extra)
             assert out.choices[0].text == want
         assert pool.added == 2  # alice's two requests; the anonymous one feeds no pool
-        out = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=24, temperature=0,
-                                   extra_body={"specdec": {"drafter": "model"}})
-        assert out.choices[0].text == want
+        for override in ("model", "suffix_hybrid"):  # every runtime drafter name is a request's to choose
+            out = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                                       extra_body={"specdec": {"drafter": override}})
+            assert out.choices[0].text == want
         m = metrics(url)
     drafted = m.get(("specdec:spec_decode_drafter_draft_tokens_total", (("drafter", "suffix"),)), 0)
     accepted = m.get(("specdec:spec_decode_drafter_accepted_tokens_total", (("drafter", "suffix"),)), 0)

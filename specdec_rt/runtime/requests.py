@@ -9,14 +9,11 @@ from typing import Sequence
 import numpy as np
 
 from specdec_rt.errors import GenerationInputError
+from specdec_rt.runtime.drafter_names import DRAFTERS, NO_OVERLAP, SPECULATIONS
 from specdec_rt.runtime.gen_config import GenerationDefaults
 from specdec_rt.runtime.rows import LoopConfig
 from specdec_rt.runtime.sampling import SamplingParams
 
-DRAFTERS = ("model", "prompt_lookup", "hybrid", "suffix", "suffix_hybrid")
-# drafters whose proposals read the committed tokens: nothing to draft ahead of verification
-NO_OVERLAP = ("hybrid", "suffix", "suffix_hybrid")
-SPECULATIONS = ("chain", "tree")
 MAX_DRAFT_TOKENS = 64
 
 

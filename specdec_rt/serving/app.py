@@ -32,6 +32,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from specdec_rt.errors import USER_ERRORS
+from specdec_rt.runtime.drafter_names import NEEDS_DRAFT_MODEL
 from specdec_rt.serving import protocol as P
 from specdec_rt.serving.generate_route import RequestError, parse_request
 from specdec_rt.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -181,7 +182,7 @@ class SpecdecAPI:
             SamplingParams(t, k, p)
         except USER_ERRORS as exc:
             raise P.bad(str(exc), None, "invalid_value") from None
-        if kwargs.get("drafter") in ("model", "hybrid", "suffix_hybrid") and self.gen.draft_engine is None:
+        if kwargs.get("drafter") in NEEDS_DRAFT_MODEL and self.gen.draft_engine is None:
             raise P.bad(f"this bundle has no draft model (drafter '{kwargs['drafter']}' needs one); use "
                         "specdec.drafter 'prompt_lookup', 'suffix' or 'none'", "specdec.drafter", "invalid_value")
         if kwargs.get("speculation") == "tree" and kwargs.get("drafter") != "model":

@@ -21,12 +21,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from specdec_rt.runtime import drafter_names
+
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
                413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
                503: "service_unavailable_error", 504: "timeout_error"}
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
-DRAFTERS = ("model", "prompt_lookup", "hybrid", "none")
-SPECULATION = ("chain", "tree")
+DRAFTERS = (*drafter_names.DRAFTERS, "none")
+SPECULATION = drafter_names.SPECULATIONS
 MAX_STOP = 16
 MAX_SEED = 2 ** 63
 
