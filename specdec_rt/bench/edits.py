@@ -25,6 +25,7 @@ from pathlib import Path
 
 from specdec_rt.bench.common import OURS_BASE, Outcome, Question, System
 from specdec_rt.errors import GenerationInputError
+from specdec_rt.runtime.drafter_names import NEEDS_DRAFT_MODEL
 
 SYSTEM_PROMPT = "You are a careful coding assistant. Reply with the whole updated file only, no explanation."
 
@@ -89,23 +90,26 @@ class Conversation:
         self.messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": first}]
         self.text = f"# {session.path}\n{session.file}"
 
+    def asking(self, turn: int) -> list[dict]:
+        """The chat so far with edit ``turn`` (0-based) as the last user message (the first one
+        also holds the file)."""
+        msgs = [dict(m) for m in self.messages]
+        msgs[-1]["content"] = (msgs[-1]["content"] + "\n" if turn == 0 else "") + self.session.edits[turn]
+        return msgs
+
     def prompt(self, turn: int) -> tuple[list[int], str]:
         """The ids and text of turn ``turn``'s prompt (0-based), asking for edit ``turn``."""
-        edit = self.session.edits[turn]
         if self.chat:
-            msgs = [dict(m) for m in self.messages]
-            msgs[-1]["content"] = (msgs[-1]["content"] + "\n" if turn == 0 else "") + edit
-            text = self.gen.apply_chat_template(msgs)
-            return self.gen.apply_chat_template(msgs, tokenize=True), text
-        text = self.text + f"\n# Edit: {edit}\n# Updated {self.session.path}:\n"
+            msgs = self.asking(turn)
+            return self.gen.apply_chat_template(msgs, tokenize=True), self.gen.apply_chat_template(msgs)
+        text = self.text + f"\n# Edit: {self.session.edits[turn]}\n# Updated {self.session.path}:\n"
         return self.gen.encode_prompt(text), text
 
     def answer(self, turn: int, prompt_text: str, answer: str) -> None:
         """Continue the conversation with ``answer`` to turn ``turn``."""
         if self.chat:
-            edit = self.session.edits[turn]
-            self.messages[-1]["content"] = (self.messages[-1]["content"] + "\n" if turn == 0 else "") + edit
-            self.messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": ""}]
+            self.messages = self.asking(turn) + [{"role": "assistant", "content": answer},
+                                                 {"role": "user", "content": ""}]
         else:
             self.text = prompt_text + answer
 
@@ -140,7 +144,7 @@ def run_edits(cfg: EditsConfig) -> dict:
                           suffix_pool=SuffixPool(per_user=True))
     systems: list[System] = [EditSystem(gen, OURS_BASE, None)]
     for d in cfg.drafters:
-        if d in ("model", "hybrid", "suffix_hybrid") and gen.draft_engine is None:
+        if d in NEEDS_DRAFT_MODEL and gen.draft_engine is None:
             continue
         systems.append(EditSystem(gen, f"{d} K=auto", d))
     turns = max(len(s.edits) for s in sessions)

@@ -38,6 +38,7 @@ def warm_up(gen: WarmableGenerator, max_batch: int | None = None, tree: bool = T
     part took."""
     width = max(1, min(max_batch or gen.max_batch, gen.max_batch))
     has_draft = gen.draft_engine is not None
+    drafter = "model" if has_draft else "prompt_lookup"
     spent: dict[str, float] = {}
 
     def timed(name: str, fn) -> None:
@@ -46,14 +47,12 @@ def warm_up(gen: WarmableGenerator, max_batch: int | None = None, tree: bool = T
         spent[name] = time.perf_counter() - t0
 
     prompt = list(range(1, 17))  # any valid ids: only shapes and code paths matter here
-    timed("cost_model", lambda: gen.policies.chain("model" if has_draft else "prompt_lookup", width))
+    timed("cost_model", lambda: gen.policies.chain(drafter, width))
     run = dict(max_new_tokens=WARM_TOKENS, temperature=0.0, ignore_eos=True)
     timed("target_only", lambda: gen.generate_ids(prompt, drafter=None, **run))
-    timed("chain", lambda: gen.generate_ids(prompt, drafter="model" if has_draft else "prompt_lookup",
-                                            num_draft_tokens=2, **run))
+    timed("chain", lambda: gen.generate_ids(prompt, drafter=drafter, num_draft_tokens=2, **run))
     if width > 1:
-        timed("batch", lambda: gen.generate_batch([prompt[: 8 + i % 8] for i in range(width)],
-                                                  drafter="model" if has_draft else "prompt_lookup",
+        timed("batch", lambda: gen.generate_batch([prompt[: 8 + i % 8] for i in range(width)], drafter=drafter,
                                                   num_draft_tokens=2, **run))
     if tree and has_draft and gen.exact_trees:
         timed("tree", lambda: (gen.policies.tree(),
