@@ -297,16 +297,17 @@ def test_run_cli_batch_file(tiny_gen, tiny_pair, tmp_path, capsys):
     batch = tmp_path / "prompts.jsonl"
     batch.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     rc = main(["--bundle", str(tiny_pair["bundle"]), "--batch-file", str(batch), "--max-new-tokens", "6",
-               "--batch-size", "2", "--ignore-eos"])
+               "--batch-size", "2", "--ignore-eos", "-k", "3"])  # seeded sampling: same K on both sides
     cap = capsys.readouterr()
     assert rc == 1  # one row failed; the others are printed
     out = [json.loads(line) for line in cap.out.splitlines()]
     assert [o["index"] for o in out] == [0, 1, 2, 3]
-    assert out[0]["token_ids"] == tiny_gen.generate("def add(a, b):", max_new_tokens=6, ignore_eos=True).token_ids
+    assert out[0]["token_ids"] == tiny_gen.generate("def add(a, b):", max_new_tokens=6, ignore_eos=True,
+                                                     num_draft_tokens=3).token_ids
     assert len(out[1]["token_ids"]) == 3
     assert out[2]["finish_reason"] == "error" and "empty" in out[2]["error"]
     assert out[3]["token_ids"] == tiny_gen.generate("import os", max_new_tokens=6, ignore_eos=True,
-                                                     temperature=0.8, seed=3).token_ids
+                                                     temperature=0.8, seed=3, num_draft_tokens=3).token_ids
     assert "tok/s" in cap.err
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{not json\n")
