@@ -46,6 +46,12 @@ class ModelInfo:
     num_parameters: int = 0
     validation: dict = field(default_factory=dict)
     source: dict = field(default_factory=dict)
+    # EAGLE-3 heads (issue 22): the target's extra ``features`` output (0-based layers whose
+    # outputs it concatenates); the head's fc graph, draft vocabulary and features width
+    feature_layers: list[int] | None = None
+    fc_graph: str | None = None
+    draft_vocab_size: int | None = None
+    features_dim: int | None = None
 
     @classmethod
     def from_dict(cls, role: str, d: dict) -> "ModelInfo":
@@ -72,13 +78,14 @@ class Bundle:
     chat_template: str | dict[str, str] | None = None
     special_token_strings: dict = field(default_factory=dict)
     generation_config: dict | None = None
+    head: ModelInfo | None = None  # an EAGLE-3 feature head (drafter="eagle"), if exported with one
 
     @property
     def tokenizer_path(self) -> Path:
         return self.root / self.manifest["tokenizer"]
 
     def graph_path(self, role: str) -> Path:
-        info = self.target if role == "target" else self.draft
+        info = {"target": self.target, "draft": self.draft, "head": self.head}.get(role)
         if info is None:
             raise BundleError(f"this bundle has no {role} model")
         return self.root / info.graph
@@ -224,11 +231,14 @@ def load_bundle(path: str | os.PathLike, verify_checksums: bool = True) -> Bundl
         raise BundleError(f"{mpath}: no target model in the manifest")
     target = ModelInfo.from_dict("target", models["target"])
     draft = ModelInfo.from_dict("draft", models["draft"]) if models.get("draft") else None
-    for info in filter(None, (target, draft)):
-        gpath = root / info.graph
-        if info.graph not in files:
-            raise BundleError(f"graph '{info.graph}' is not covered by the manifest's checksums")
-        check_external_data(gpath, root)
+    head = ModelInfo.from_dict("head", models["head"]) if models.get("head") else None
+    if head is not None:
+        check_head(target, head)
+    for info in filter(None, (target, draft, head)):
+        for graph in filter(None, (info.graph, info.fc_graph)):
+            if graph not in files:
+                raise BundleError(f"graph '{graph}' is not covered by the manifest's checksums")
+            check_external_data(root / graph, root)
     if draft is not None and manifest.get("tokenizer_hashes", {}).get("draft") not in (
             None, manifest.get("tokenizer_hashes", {}).get("target")):
         raise BundleError("draft and target tokenizers differ; this bundle cannot be used")
@@ -267,7 +277,24 @@ def load_bundle(path: str | os.PathLike, verify_checksums: bool = True) -> Bundl
         eos_token_ids=list(special.get("eos_token_ids", [])),
         bos_token_id=special.get("bos_token_id"), pad_token_id=special.get("pad_token_id"),
         chat_template=chat_template, special_token_strings=dict(strings), generation_config=gen_config,
+        head=head,
     )
+
+
+def check_head(target: ModelInfo, head: ModelInfo) -> None:
+    """A head entry must fit its target: same vocabulary, the features the target outputs."""
+    if not head.fc_graph:
+        raise BundleError("manifest entry for 'head' names no fc_graph")
+    if head.vocab_size != target.vocab_size:
+        raise BundleError(f"the EAGLE-3 head's vocabulary ({head.vocab_size}) differs from the target's "
+                          f"({target.vocab_size})")
+    if not target.feature_layers or list(target.feature_layers) != list(head.feature_layers or []):
+        raise BundleError(f"the target graph outputs features of layers {target.feature_layers}, the head "
+                          f"reads layers {head.feature_layers}; re-export with specdec-export --draft-head")
+    want = len(target.feature_layers) * target.hidden_size
+    if head.features_dim not in (None, want):
+        raise BundleError(f"the head reads {head.features_dim} feature values per token, the target "
+                          f"outputs {want}")
 
 
 def _read_text(root: Path, files: dict[str, str], rel: object, what: str) -> str:

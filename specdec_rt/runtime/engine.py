@@ -20,9 +20,10 @@ import onnxruntime as ort
 from specdec_rt.errors import BackendUnavailableError, ContextOverflowError  # also the old import path
 from specdec_rt.runtime.bundle import ModelInfo
 from specdec_rt.runtime.engine_base import EngineBase
+from specdec_rt.runtime.engine_batch import STRIDE_STEP, BatchCalls  # noqa: F401 - STRIDE_STEP re-exported
 from specdec_rt.runtime.kv_cache import CudaKVCache, KVCache
-from specdec_rt.runtime.masks import NEG_INF, causal_mask
-from specdec_rt.runtime.probes import RowInvarianceWarning
+from specdec_rt.runtime.masks import NEG_INF
+from specdec_rt.runtime.probes import RowInvarianceWarning  # noqa: F401 - re-exported
 from specdec_rt.runtime.providers import device_of, resolve_provider
 from specdec_rt.runtime.sessions import (FUSED_ATTENTION_MIN_ORT, ort_element_type, provider_options,
                                         session_options)
@@ -30,13 +31,9 @@ from specdec_rt.runtime.sessions import (FUSED_ATTENTION_MIN_ORT, ort_element_ty
 from specdec_rt.runtime.sessions import ort_version as _ort_version
 from specdec_rt.runtime.window_binding import PAST_WINDOW, WindowBinder
 
-# Batched calls attend over the cache's whole stride (masked past each row's length): it grows in
-# steps of this many positions (a re-layout, i.e. a move of every sequence's K/V, once per
-# STRIDE_STEP tokens of the longest sequence) and shrinks back when two steps are unused.
-STRIDE_STEP = 32
 
 
-class OrtEngine(EngineBase):
+class OrtEngine(BatchCalls, EngineBase):
     """A model graph plus its KV cache. ``lengths[s]``: committed positions of sequence s.
 
     ``max_batch`` sequences share the cache buffers (``[max_batch, max_len + 1, Hkv, D]`` per
@@ -113,6 +110,15 @@ class OrtEngine(EngineBase):
         # False: forward_rows runs one sequence per call (see probes.probe_batch_invariance)
         self.batch_calls = True
         self.batch_warning: str | None = None  # set by probe_batch_invariance, said once
+        # graph inputs and outputs beyond the contract (EAGLE-3, issue 22): ``call_inputs`` are fed
+        # to every call (a head's ``hidden_states``, set by its drafter before each call; one
+        # sequence per call), ``extra_outputs`` fetched into ``outputs`` (rows of the last call);
+        # ``features`` ([max_batch, max_len + 1, F], see enable_features) keeps the target's
+        # per-position ``features`` output at the slots its K/V take, committed and compacted alike
+        self.call_inputs: dict[str, np.ndarray] = {}
+        self.extra_outputs: list[str] = []
+        self.outputs: dict[str, np.ndarray] = {}
+        self.features: np.ndarray | None = None
 
     # -- forward ----------------------------------------------------------------------------
     def forward(self, input_ids: np.ndarray, positions: np.ndarray, mask: np.ndarray,
@@ -153,10 +159,22 @@ class OrtEngine(EngineBase):
         if self._logits.shape[1] < s:  # rows of the widest call so far (prefill chunks, trees)
             self._logits = np.zeros((1, max(s, 2 * self._logits.shape[1]), self.vocab_size), dtype=np.float32)
         b.bind_output("logits", "cpu", 0, np.float32, [1, s, self.vocab_size], self._logits.ctypes.data)
+        for name, value in self.call_inputs.items():
+            b.bind_cpu_input(name, np.ascontiguousarray(value, dtype=np.float32))
+        for name in self.extra_outputs:
+            if name == "features" and self.features is not None:
+                f = self.features
+                b.bind_output(name, "cpu", 0, np.float32, [1, s, f.shape[-1]], f[seq, p:].ctypes.data)
+            else:
+                b.bind_output(name, "cpu")
         t0 = time.perf_counter()
         self.session.run_with_iobinding(b)
         self.model_time += time.perf_counter() - t0
         self.calls += 1
+        if self.extra_outputs:
+            values = b.get_outputs()[-len(self.extra_outputs):]
+            self.outputs = {n: (self.features[seq, p:p + s] if n == "features" and self.features is not None
+                                else v.numpy()[0]) for n, v in zip(self.extra_outputs, values)}
         return self._logits[0, :s]
 
     def _forward_padded(self, input_ids: np.ndarray, positions: np.ndarray, mask: np.ndarray,
@@ -251,142 +269,38 @@ class OrtEngine(EngineBase):
         for pk, pv, kv, vv in views:
             feeds[pk] = kv[:, :p]
             feeds[pv] = vv[:, :p]
+        feeds.update(self.call_inputs)
         t0 = time.perf_counter()
-        out = self._run(self._out_names, feeds, None)
+        out = self._run(self._out_names + self.extra_outputs if self.extra_outputs else self._out_names, feeds, None)
         self.model_time += time.perf_counter() - t0
         i = 1
         for _, _, kv, vv in views:
             kv[:, p:p + s] = out[i]
             vv[:, p:p + s] = out[i + 1]
             i += 2
+        if self.extra_outputs:
+            self._keep_outputs(out[i:], seq, p, s)
         self.calls += 1
         return out[0][0]
 
-    # -- batched calls --------------------------------------------------------------------
-    def _fit(self, need: int, batched: bool = False) -> None:
-        """Keep the cache's stride (positions per sequence) at least ``need`` and every
-        sequence's length; batched calls attend over the whole stride, so they also shrink it
-        back when it is far above what is needed."""
-        cache = self.cache
-        if getattr(cache, "seqs", 1) == 1:
-            return  # one sequence starts at offset 0 whatever the stride
-        need = max(need, max(self.lengths))
-        stride = cache.stride
-        if need > stride or (batched and stride >= need + 2 * STRIDE_STEP):
-            cache.restride(min(cache.max_len, -(-need // STRIDE_STEP) * STRIDE_STEP), self.lengths)
+    def _keep_outputs(self, values: list, seq: int, p: int, s: int) -> None:
+        """The extra outputs of a one-sequence call: ``features`` to its slots, the rest kept."""
+        self.outputs = {}
+        for name, value in zip(self.extra_outputs, values):
+            if name == "features" and self.features is not None:
+                self.features[seq, p:p + s] = value[0]
+                self.outputs[name] = self.features[seq, p:p + s]
+            else:
+                self.outputs[name] = value[0]
 
-    def forward_rows(self, seqs: list[int], ids: list, positions: list | None = None,
-                     masks: list | None = None) -> list[np.ndarray]:
-        """One call over several sequences (see :meth:`EngineBase.forward_rows`).
-
-        Sequences at different lengths share the call through padding expressed only in the
-        mask and positions: the past is the cache's rows ``[lo:hi, :stride]`` fed with no copy
-        (each row's mask hides the positions past its own length; a sequence in the range that
-        is not in the call runs as a dummy row), and the new tokens are ``[B, S_max]`` (a row
-        with fewer tokens repeats its last one in pad rows that see what it sees and that no
-        real row sees). A row's logits and K/V are bit for bit what it gets alone: every kernel
-        computes a row independently of the others, the attention sums over keys run in float64
-        (masked columns add exact zeros), and the call always has several rows, so the one-row
-        kernel question (``min_rows``) does not arise. Measured at load by
-        :func:`~specdec_rt.runtime.probes.probe_batch_invariance`; where it fails, sequences run
-        one per call.
-        """
-        if len(seqs) == 1 or not self.batch_calls:
-            if len(seqs) > 1:
-                self.warn_unbatched()
-            if positions is None:
-                positions = [np.arange(self.lengths[q], self.lengths[q] + len(t), dtype=np.int64)
-                             for q, t in zip(seqs, ids)]
-            if masks is None:
-                masks = [causal_mask(self.lengths[q], pos, self.info.sliding_window)
-                         for q, pos in zip(seqs, positions)]
-            return [self.forward(*args) for args in zip(ids, positions, masks, seqs)]
-        return self._forward_batch(seqs, ids, positions, masks)
-
-    def forward_batch(self, seqs: list[int], ids: list, positions: list | None = None,
-                      masks: list | None = None) -> list[np.ndarray]:
-        """:meth:`forward_rows` as one batched call whatever ``batch_calls`` says (CPU provider,
-        several sequences): what :func:`~specdec_rt.runtime.probes.probe_batch_invariance`
-        compares with one-sequence calls. Nothing is committed."""
-        return self._forward_batch(seqs, ids, positions, masks)
-
-    def warn_unbatched(self) -> None:
-        """Say once (at load if batching was asked for, else at the first batch) that batched
-        calls fall back to one sequence per call
-        (:func:`~specdec_rt.runtime.probes.probe_batch_invariance`)."""
-        if self.batch_warning:
-            import warnings
-
-            warnings.warn(self.batch_warning, RowInvarianceWarning, stacklevel=3)
-            self.batch_warning = None
-
-    def _forward_batch(self, seqs: list[int], ids: list, positions: list | None,
-                       masks: list | None) -> list[np.ndarray]:
-        if self.device != "cpu":  # pragma: no cover - guarded at construction
-            raise BackendUnavailableError("batched calls run on the CPU provider only")
-        lengths = np.array([self.lengths[q] for q in seqs])
-        widths = np.array([len(x) for x in ids])
-        over = np.nonzero(lengths + widths > self.max_len)[0]
-        if len(over):
-            i = int(over[0])
-            raise ContextOverflowError(f"{lengths[i] + widths[i]} positions exceed the context of "
-                                       f"{self.max_len} tokens (sequence {seqs[i]})")
-        self._fit(int((lengths + widths).max()), batched=True)
-        cache = self.cache
-        c, smax = cache.stride, int(widths.max())
-        seq_arr = np.array(seqs)
-        lo, hi = int(seq_arr.min()), int(seq_arr.max()) + 1
-        rows = seq_arr - lo  # row of each sequence in the call
-        n = hi - lo
-        # sequences in [lo, hi) that are not in the call: dummy rows (no past, a causal block)
-        row_len = np.zeros(n, dtype=np.int64)
-        row_width = np.full(n, smax, dtype=np.int64)
-        row_len[rows], row_width[rows] = lengths, widths
-        # row r's query j holds its token min(j, S_r - 1): shorter rows repeat their last token
-        j = np.arange(smax)
-        pick = np.minimum(j[None, :], widths[:, None] - 1)
-        flat = (np.cumsum(widths) - widths)[:, None] + pick
-        ids_in = np.zeros((n, smax), dtype=np.int64)
-        pos_in = np.tile(j, (n, 1))
-        ids_in[rows] = np.concatenate(ids)[flat]
-        pos_in[rows] = lengths[:, None] + pick if positions is None else np.concatenate(positions)[flat]
-        window = self.info.sliding_window
-        if masks is None and not window:
-            # causal chains: past columns below the row's length, new column j for query i while
-            # j <= i; pad queries (i >= S_r) see what the row's last query sees
-            past = np.arange(c)[None, None, :] < row_len[:, None, None]
-            last = np.minimum(np.arange(smax)[None, :], row_width[:, None] - 1)
-            new = np.arange(smax)[None, None, :] <= last[:, :, None]
-            visible = np.concatenate([np.broadcast_to(past, (n, smax, c)), new], axis=2)
-            mask_in = np.where(visible, np.float32(0), NEG_INF)[:, None]
-        else:
-            if masks is None:
-                masks = [causal_mask(int(p), pos_in[r, :s], window) for r, p, s in zip(rows, lengths, widths)]
-            mask_in = np.full((n, 1, smax, c + smax), NEG_INF, dtype=np.float32)
-            mask_in[:, 0, :, c:] = np.triu(np.full((smax, smax), NEG_INF, dtype=np.float32), 1)
-            for r, m, p, s in zip(rows, masks, lengths, widths):
-                m = np.asarray(m, dtype=np.float32).reshape(s, p + s)
-                block = mask_in[r, 0]
-                block[:] = NEG_INF
-                block[:s, :p] = m[:, :p]
-                block[:s, c:c + s] = m[:, p:]
-                block[s:] = block[s - 1]  # pad rows see what the last real row sees
-        feeds = {"input_ids": ids_in, "position_ids": pos_in, "attention_mask": mask_in}
-        keys, values = cache.keys, cache.values
-        for (pk, pv), kbuf, vbuf in zip(self._past_names, keys, values):
-            feeds[pk] = kbuf[lo:hi]
-            feeds[pv] = vbuf[lo:hi]
-        t0 = time.perf_counter()
-        out = self._run(self._out_names, feeds, None)
-        self.model_time += time.perf_counter() - t0
-        # each row's new K/V to its own length: one scatter per layer and kind
-        take = (j[None, :] < widths[:, None]).ravel()
-        src = (rows[:, None] * smax + j[None, :]).ravel()[take]
-        dst = (np.array(seqs)[:, None] * c + lengths[:, None] + j[None, :]).ravel()[take]
-        tail = (cache.heads, cache.head_dim)
-        for layer, (kbuf, vbuf) in enumerate(zip(keys, values)):
-            kbuf.reshape(-1, *tail)[dst] = out[1 + 2 * layer].reshape(-1, *tail)[src]
-            vbuf.reshape(-1, *tail)[dst] = out[2 + 2 * layer].reshape(-1, *tail)[src]
-        self.calls += 1
-        logits = out[0]
-        return [logits[r, :s] for r, s in zip(rows, widths)]
+    def enable_features(self) -> None:
+        """Keep the graph's ``features`` output (the target of an EAGLE-3 head) for every position
+        of every sequence, from the next call on: what the head's drafter reads."""
+        outputs = {o.name: o for o in self.session.get_outputs()}
+        if "features" not in outputs:
+            raise ValueError(f"the {self.info.role} graph has no 'features' output (exported without a head)")
+        if self.features is None:
+            width = int(outputs["features"].shape[-1])
+            self.features = np.zeros((self.max_batch, self.max_len + 1, width), dtype=np.float32)
+        if "features" not in self.extra_outputs:
+            self.extra_outputs.append("features")

@@ -78,6 +78,10 @@ class EngineBase:
         """Keep the forward call's slots ``src_offsets`` (relative to ``length``) in order."""
         p = self.lengths[seq]
         self.cache.gather_into([p + s for s in src_offsets], p, seq)
+        features = getattr(self, "features", None)  # a target's per-position features (EAGLE-3)
+        if features is not None:
+            rows = features[seq]
+            rows[p:p + len(src_offsets)] = rows[[p + s for s in src_offsets]]
         self.lengths[seq] = p + len(src_offsets)
 
     def extend(self, tokens, chunk: int = PREFILL_CHUNK, seq: int = 0) -> np.ndarray:
