@@ -71,6 +71,27 @@ class GraphOptions:
     # the kept token ids, sorted; the graph scatters their logits into a -inf row of the whole
     # vocabulary, so the contract (logits [B, S, V]) and every consumer stay as they are
     output_ids: np.ndarray | None = None
+    # EAGLE-3 heads (specdec_rt.export.eagle_graph): one extra output ``features`` [B, S, len * hidden]
+    # float32, the residual stream after each listed 0-based decoder layer (the layer's output, before
+    # any following norm), concatenated in the given order; None: the graph is what it was
+    feature_layers: tuple[int, ...] | None = None
+
+
+# families whose residual stream after layer i is ``residual + pending`` at the next norm, checked
+# against eagle.target_features (tests/test_eagle_export.py); gpt2 / gpt_neox keep their layers
+# elsewhere than ``model.model.layers`` (the hooks' reference) and GPT-NeoX adds branches in parallel
+FEATURE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite",
+                    "phi3", "smollm3", "olmo2", "starcoder2")
+
+
+def check_feature_layers(spec: ArchSpec, layers) -> None:
+    """A ``features`` output is built only where it is verified and its layers exist."""
+    if spec.family not in FEATURE_FAMILIES:
+        raise ExportError(f"a features output (EAGLE-3 heads) is not verified for {spec.family} models; "
+                          f"supported: {', '.join(FEATURE_FAMILIES)}")
+    bad = [i for i in layers if not 0 <= i < spec.num_layers]
+    if not layers or bad:
+        raise ExportError(f"feature layers {list(layers)} are not layers of the {spec.num_layers}-layer target")
 
 
 class TensorWriter:
@@ -260,6 +281,8 @@ class GraphBuilder:
         if options.fused_attention and (not options.fused or options.attention_accumulation != "native"):
             raise ValueError("fused_attention needs fused=True and attention_accumulation='native' "
                              "(the portable op set stays plain ONNX; float64 sums are the decomposed graph's)")
+        if options.feature_layers is not None:
+            check_feature_layers(spec, options.feature_layers)
         opset = max(options.opset, FUSED_ATTENTION_OPSET) if options.fused_attention else options.opset
         self.g = _Graph(GRAPH_DTYPES[options.dtype], opset, writer)
 
@@ -550,6 +573,7 @@ class GraphBuilder:
         # tanh(q.k * scale / c) * c: 1/c folded into q too, unless the fused op applies the soft-cap
         q_fold = scale / s.attn_softcap if s.attn_softcap and not self._fused_attn else scale
         residual, pending = x, None
+        layer_out: dict[int, str] = {}  # layer -> its output (the residual stream after it), for ``features``
         for i, lw in enumerate(w.layers):
             p = f"l{i}"
             lw = self._fold_residual_multiplier(lw)
@@ -559,6 +583,8 @@ class GraphBuilder:
                 if pending is not None:
                     residual = g.op("Add", [residual, pending], p + "_residual")
                 normed = residual
+            if i > 0:  # the norm's skip sum (or the Add) is the previous layer's output
+                layer_out[i - 1] = residual
             q_w, q_b, q_norm = lw.q_w, lw.q_b, lw.q_norm_w
             if q_norm is not None:
                 q_norm = q_norm * q_fold
@@ -615,7 +641,7 @@ class GraphBuilder:
                 if lw.post_mlp_norm_w is not None:
                     pending, _ = self._norm(pending, None, lw.post_mlp_norm_w, None, p + "_post_mlp_norm")
 
-        final, _ = self._norm(residual, pending, w.final_norm_w, w.final_norm_b, "final_norm")
+        final, layer_out[s.num_layers - 1] = self._norm(residual, pending, w.final_norm_w, w.final_norm_b, "final_norm")
         logits = self._lm_head(final)
         if s.final_softcap:  # tanh(logits / c) * c, the 1/c folded into lm_head
             logits = g.op("Mul", [g.op("Tanh", [logits], "logits_tanh"),
@@ -628,6 +654,8 @@ class GraphBuilder:
             g.nodes[-1].output[0] = "logits"  # the last node writes the output (no Identity)
         else:
             g.op("Identity", [logits], outputs=["logits"])
+        if self.opt.feature_layers is not None:
+            outputs.append(self._features(layer_out))
 
         graph = helper.make_graph(g.nodes, f"specdec_{s.family}", inputs, outputs, g.inits)
         opsets = [helper.make_opsetid("", g.opset)]
@@ -636,6 +664,20 @@ class GraphBuilder:
         model = helper.make_model(graph, opset_imports=opsets, producer_name="specdec-rt")
         model.ir_version = 8 if g.opset <= 17 else (9 if g.opset <= 20 else helper.find_min_ir_version_for(opsets[:1]))
         return model
+
+    def _features(self, layer_out: dict[int, str]):
+        """The ``features`` output: the listed layers' outputs side by side, float32."""
+        g, s = self.g, self.spec
+        layers = tuple(self.opt.feature_layers)
+        parts = [layer_out[i] for i in layers]
+        cast = g.np_dtype != np.float32
+        joined = parts[0] if len(parts) == 1 else g.op("Concat", parts, "features_cat" if cast else None,
+                                                         outputs=None if cast else ["features"], axis=-1)
+        if cast:
+            g.op("Cast", [joined], outputs=["features"], to=TensorProto.FLOAT)
+        elif len(parts) == 1:
+            g.op("Identity", [joined], outputs=["features"])
+        return helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", "seq", len(layers) * s.hidden_size])
 
     # -- embedding and LM head -------------------------------------------------------------------
     def _logit_fold(self) -> float:
@@ -801,11 +843,20 @@ class WrittenGraph:
 def write_model(spec: ArchSpec, weights: ModelWeights, options: GraphOptions, path: str) -> WrittenGraph:
     """Build the graph straight to ``path`` + ``path.data``: weights are converted, quantized if
     asked, written and dropped one at a time, so memory stays at about one layer's weights."""
+    def build(writer: TensorWriter):
+        builder = GraphBuilder(spec, weights, options, writer)
+        return builder.build(), builder.g
+
+    return write_graph(path, build)
+
+
+def write_graph(path: str, build) -> WrittenGraph:
+    """Write the graph that ``build(writer)`` makes (it returns the ModelProto and the builder's
+    ``g``, whose initializers went to ``writer``) to ``path`` + ``path.data``."""
     data_path = path + ".data"
     writer = TensorWriter(data_path)
     try:
-        builder = GraphBuilder(spec, weights, options, writer)
-        model = builder.build()
+        model, g = build(writer)
     except BaseException:
         writer.abort()
         raise
@@ -819,7 +870,6 @@ def write_model(spec: ArchSpec, weights: ModelWeights, options: GraphOptions, pa
             raise ExportError(f"no space left on the device writing {path}; free space or choose another --out") from None
         raise ExportError(f"cannot write {path}: {exc.strerror or exc}") from None
     digests = {path: hashlib.sha256(graph_bytes).hexdigest(), data_path: writer.sha256.hexdigest()}
-    g = builder.g
     return WrittenGraph(files=[path, data_path], sha256=digests, num_params=g.num_params, num_nodes=len(model.graph.node),
                         size_bytes=os.path.getsize(path) + os.path.getsize(data_path),
                         unquantized_bytes=g.unquantized_bytes, opset=g.opset)

@@ -36,6 +36,9 @@ class ValidationReport:
     max_abs_logit: float = 0.0  # PyTorch's largest |logit| on the cases: the scale of the errors
     tolerance: float = 0.0
     cases: dict[str, float] = field(default_factory=dict)
+    # a target exported for an EAGLE-3 head: its ``features`` output against eagle.target_features
+    # on the same tokens (prefill and verify rows): {"cases", "max_error", "max_abs", "tolerance"}
+    features: dict | None = None
     # where the time went: PyTorch's reference calls, ONNX Runtime's session creation (reading the
     # weights, prepacking) and the graph's runs on the cases
     seconds: dict[str, float] = field(default_factory=dict)
@@ -83,6 +86,8 @@ class _OrtRunner:
         self.spec = spec
         self.kv_dtype = kv_dtype
         self.columns: np.ndarray | None = None  # compare only these logit columns (a cut LM head)
+        self.has_features = any(o.name == "features" for o in self.sess.get_outputs())
+        self.features: np.ndarray | None = None  # the last run's ``features`` rows [S, F], if the graph has them
 
     def empty_past(self):
         s = self.spec
@@ -109,6 +114,7 @@ class _OrtRunner:
             feed[f"past_value.{i}"] = v
         out = self.sess.run(None, feed)
         new = [(out[1 + 2 * i], out[2 + 2 * i]) for i in range(self.spec.num_layers)]
+        self.features = out[-1][0] if self.has_features else None  # ``features`` is the last output
         logits = out[0][0]
         # a draft with a cut LM head: its kept columns (the others are -inf by construction)
         return (logits if self.columns is None else logits[:, self.columns]), new
@@ -142,6 +148,8 @@ class Reference:
     kv: list[tuple[np.ndarray, np.ndarray]]  # per layer [n, Hkv, D] (a sliding cache keeps the last n)
     tree_rows: np.ndarray  # [len(TREE_PARENTS), V]: each node's row from its root-to-node path
     seconds: float = 0.0  # PyTorch's time for this run
+    # eagle.target_features of ``tokens`` [prefix_len + verify_len, F] (a target exported with a head)
+    features: np.ndarray | None = None
 
 
 def _tree_leaves(parents: list[int]) -> list[int]:
@@ -149,7 +157,8 @@ def _tree_leaves(parents: list[int]) -> list[int]:
     return [i for i in range(len(parents)) if i not in has_child]
 
 
-def _reference_run(torch_model, spec: ArchSpec, rng, prefix_len: int, verify_len: int, tag: str) -> Reference:
+def _reference_run(torch_model, spec: ArchSpec, rng, prefix_len: int, verify_len: int, tag: str,
+                   feature_layers: tuple[int, ...] | None = None) -> Reference:
     """One PyTorch call: the validation sequence and every root-to-leaf tree path, right-padded
     into one batch. Causal attention never looks right, so a sequence's rows are what a call on it
     alone computes, and a tree node's row is its depth's row in any leaf path through it."""
@@ -183,8 +192,13 @@ def _reference_run(torch_model, spec: ArchSpec, rng, prefix_len: int, verify_len
             b = 1 + next(i for i, leaf in enumerate(leaves) if visible[leaf, node])
             rows.append(out.logits[b, prefix_len + depth[node]])
         tree_rows = torch.stack(rows).float().numpy()
+    features = None
+    if feature_layers:  # the features output's definition, on the validation sequence alone
+        from specdec_rt.export.eagle import target_features
+
+        features = target_features(torch_model, torch.tensor([tokens]), tuple(feature_layers))[0][0].numpy()
     return Reference(prefix_len, verify_len, tag, tokens, tree_tokens, logits, kv, tree_rows,
-                     seconds=time.perf_counter() - t0)
+                     seconds=time.perf_counter() - t0, features=features)
 
 
 def _validation_runs(spec: ArchSpec, prefix_len: int, verify_len: int) -> list[tuple[int, str]]:
@@ -197,15 +211,17 @@ def _validation_runs(spec: ArchSpec, prefix_len: int, verify_len: int) -> list[t
 
 
 def reference_outputs(torch_model, spec: ArchSpec, *, seed: int = 0, prefix_len: int = 7,
-                      verify_len: int = 4) -> list[Reference]:
+                      verify_len: int = 4, feature_layers: tuple[int, ...] | None = None) -> list[Reference]:
     """Run PyTorch once for every validation case (then the model can be freed before any ONNX
     Runtime session exists: the two never need memory at the same time).
 
     A model stored in bf16 / fp16 computes in float32 here (``float32_compute``), as the graph does.
+    ``feature_layers``: the graph has a ``features`` output (EAGLE-3 heads); its reference is
+    eagle.target_features on each run's sequence (one more forward of 11 tokens).
     """
     rng = np.random.default_rng(seed)
     with float32_compute(torch_model):
-        return [_reference_run(torch_model, spec, rng, p, verify_len, tag)
+        return [_reference_run(torch_model, spec, rng, p, verify_len, tag, feature_layers)
                 for p, tag in _validation_runs(spec, prefix_len, verify_len)]
 
 
@@ -351,6 +367,14 @@ def compare(onnx_path: str, spec: ArchSpec, refs: list[Reference], *, kv_dtype=n
     report.top1_agreement = float(np.mean([a for r in results for a in r["agree"]]))
     report.max_logit_error = max(report.cases.values())
     report.max_abs_logit = max(r["max_abs"] for r in results)
+    if any(r["features"] for r in results):
+        report.features = _feature_report(results, np.dtype(kv_dtype))
+        f = report.features
+        if enforce and f["max_error"] > f["tolerance"]:
+            raise ValidationError(
+                f"the exported graph's features output disagrees with PyTorch's hidden states: max error "
+                f"{f['max_error']:.3g} (tolerance {f['tolerance']:.3g}); cases: "
+                + ", ".join(f"{k}={v:.3g}" for k, v in f["cases"].items()))
     if enforce and (report.max_logit_error > tol or report.decode_vs_verify_error > tol or kv_err > tol):
         raise ValidationError(
             f"exported graph disagrees with PyTorch: max logit error {report.max_logit_error:.3g}, "
@@ -361,6 +385,15 @@ def compare(onnx_path: str, spec: ArchSpec, refs: list[Reference], *, kv_dtype=n
     return report
 
 
+def _feature_report(results: list[dict], kv_dtype: np.dtype) -> dict:
+    """Errors of the ``features`` output; tolerance 1e-3 (fp32 graph) or 2e-2 (fp16) x max |feature|."""
+    cases = {k: v for r in results for k, v in r["features"].items()}
+    max_abs = max(r["features_abs"] for r in results)
+    rel = 1e-3 if kv_dtype == np.float32 else 2e-2
+    return {"cases": cases, "max_error": max(cases.values()), "max_abs": max_abs,
+            "tolerance": rel * max(1.0, max_abs)}
+
+
 def _compare_run(runner: _OrtRunner, spec: ArchSpec, ref: Reference) -> dict:
     """Prefill, chain verify, decode and tree on a ``prefix_len``-token past; errors vs PyTorch."""
     prefix_len, verify_len, tag, tokens = ref.prefix_len, ref.verify_len, ref.tag, ref.tokens
@@ -368,13 +401,18 @@ def _compare_run(runner: _OrtRunner, spec: ArchSpec, ref: Reference) -> dict:
     ref_logits = ref.logits
     cases: dict[str, float] = {}
 
+    features: dict[str, float] = {}
     # prefill, P = 0
     lg_a, kv_a = runner.run(tokens[:prefix_len], list(range(prefix_len)), runner.empty_past())
     cases[f"prefill_P0{tag}"] = float(np.abs(lg_a - ref_logits[:prefix_len]).max())
+    if ref.features is not None:
+        features[f"prefill_P0{tag}"] = float(np.abs(runner.features - ref.features[:prefix_len]).max())
     # chain verify, S = verify_len on P > 0
     past = kv_a
     lg_b, kv_b = runner.run(tokens[prefix_len:], list(range(prefix_len, total)), past)
     cases[f"verify_S{verify_len}{tag}"] = float(np.abs(lg_b - ref_logits[prefix_len:]).max())
+    if ref.features is not None:
+        features[f"verify_S{verify_len}{tag}"] = float(np.abs(runner.features - ref.features[prefix_len:]).max())
     # K/V of every position against PyTorch's cache
     kv_err = 0.0
     full = _concat(kv_a, kv_b)
@@ -396,6 +434,7 @@ def _compare_run(runner: _OrtRunner, spec: ArchSpec, ref: Reference) -> dict:
     all_rows = np.concatenate([lg_a, lg_b])
     agree += (np.argmax(all_rows, -1) == np.argmax(ref_logits, -1)).astype(int).tolist()
     return {"cases": cases, "kv": kv_err, "decode_vs_verify": decode_vs_verify, "tree": tree_err,
+            "features": features, "features_abs": 0.0 if ref.features is None else float(np.abs(ref.features).max()),
             "agree": agree, "scale": max(1.0, float(np.abs(ref_logits).max())),
             "max_abs": float(max(np.abs(ref_logits).max(), np.abs(ref.tree_rows).max()))}
 
