@@ -5,6 +5,8 @@ import argparse
 import sys
 from typing import Callable
 
+from specdec_rt.runtime.drafter_names import DRAFTERS
+
 
 def draft_tokens_arg(value: str) -> int | str:
     if value == "auto":
@@ -27,8 +29,8 @@ def add_generation_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--num-draft-tokens", "-k", type=draft_tokens_arg, default="auto",
                    help="draft length K, or 'auto' (default: the cost-model policy, which decodes "
                         "target-only where drafting does not pay; pass an integer for seed-reproducible sampling)")
-    g.add_argument("--drafter", default="model", choices=["model", "prompt_lookup", "hybrid", "none"],
-                   help="'none' = target-only decoding")
+    g.add_argument("--drafter", default="model", choices=[*DRAFTERS, "none"],
+                   help="'none' = target-only decoding; 'eagle' = the bundle's EAGLE-3 head (--draft-head at export)")
     g.add_argument("--speculation", default="chain", choices=["chain", "tree"])
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")

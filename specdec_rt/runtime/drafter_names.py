@@ -3,9 +3,12 @@ the Python API (:mod:`specdec_rt.runtime.requests`) and the server's request che
 (:mod:`specdec_rt.serving.protocol`, standard library only, hence a module of its own)."""
 from __future__ import annotations
 
-DRAFTERS = ("model", "prompt_lookup", "hybrid", "suffix", "suffix_hybrid")
-# drafters whose proposals read the committed tokens: nothing to draft ahead of verification
-NO_OVERLAP = ("hybrid", "suffix", "suffix_hybrid")
+DRAFTERS = ("model", "prompt_lookup", "hybrid", "suffix", "suffix_hybrid", "eagle")
+# drafters whose proposals read the committed tokens (or, eagle, the target's features of them):
+# nothing to draft ahead of verification
+NO_OVERLAP = ("hybrid", "suffix", "suffix_hybrid", "eagle")
 # drafters that run the bundle's draft model (refused on a bundle without one)
 NEEDS_DRAFT_MODEL = ("model", "hybrid", "suffix_hybrid")
+# drafters that run the bundle's EAGLE-3 head (specdec-export --draft-head)
+NEEDS_HEAD = ("eagle",)
 SPECULATIONS = ("chain", "tree")

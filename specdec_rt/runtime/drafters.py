@@ -135,6 +135,22 @@ class ModelDrafter:
         cache; returns the last one's logits row."""
         return self._step(pending, seq)
 
+    def tree_root(self, tokens: list[int], seq: int = 0) -> tuple[np.ndarray, None, int, int]:
+        """A dynamic tree's start (:class:`~specdec_rt.runtime.tree_drafters.TreeSource`): catch
+        up; the root's row, no state, the committed prefix (the root included) and the root's
+        own position in the draft (its history may be cut: :meth:`unseen`)."""
+        row = self.advance(self.unseen(tokens, seq), seq)
+        base = self.engine.lengths[seq]
+        return row, None, base, base - 1
+
+    def tree_level(self, ids: np.ndarray, positions: np.ndarray, mask: np.ndarray, states: list,
+                   seq: int = 0) -> tuple[np.ndarray, list]:
+        """One tree level in one call, committed to the tree region (rolled back by the tree)."""
+        logits = self.engine.forward(ids, positions, mask, seq)
+        self.engine.commit(len(ids), seq)
+        self.calls += 1
+        return logits, [None] * len(ids)
+
     def _step(self, pending: list[int], seq: int = 0) -> np.ndarray:
         """Run one sequence's unseen tokens; return the last one's logits row."""
         eng = self.engine

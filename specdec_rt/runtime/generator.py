@@ -13,6 +13,7 @@ from specdec_rt.runtime.bundle import Bundle, BundleError, load_bundle
 from specdec_rt.runtime.chat import NO_TEMPLATE, ChatTemplate
 from specdec_rt.runtime.batch_session import BatchSession, BatchStream
 from specdec_rt.runtime.drafters import DRAFT_CONTEXT
+from specdec_rt.runtime.eagle import EagleHead
 from specdec_rt.runtime.engine import OrtEngine
 from specdec_rt.runtime.factory import make_engine
 from specdec_rt.runtime.gen_config import GenerationDefaults
@@ -62,18 +63,18 @@ class Generator:
         self.target = make_engine(bundle.graph_path("target"), bundle.target, self.max_length, provider,
                                 threads, bundle.root, io_binding, shared_thread_pool, self.max_batch,
                                 spin=not self.overlap)
-        self.draft_engine = None
-        if bundle.draft is not None:
-            self.draft_engine = make_engine(bundle.graph_path("draft"), bundle.draft, self.max_length,
-                                          draft_provider or provider, draft_threads or threads,
-                                          bundle.root, io_binding, shared_thread_pool, self.max_batch)
-        self.policies = PolicyStore(self.target, self.draft_engine, bundle.manifest)  # "auto": kept across generations
+        self.draft_engine = None if bundle.draft is None else make_engine(
+            bundle.graph_path("draft"), bundle.draft, self.max_length, draft_provider or provider,
+            draft_threads or threads, bundle.root, io_binding, shared_thread_pool, self.max_batch)
+        self.head = None if bundle.head is None else EagleHead(  # drafter="eagle"
+            bundle, self.target, self.max_length, draft_provider or provider, draft_threads or threads,
+            io_binding, shared_thread_pool, self.max_batch)
+        self.policies = PolicyStore(self.target, self.draft_engine, bundle.manifest, head=self.head)  # "auto"
         self.vocab_size = bundle.target.vocab_size
         self.eos_token_ids = tuple(bundle.eos_token_ids)
         if probe_rows and isinstance(self.target, OrtEngine):  # native TensorRT engines are not probed
             probe_row_invariance(self.target)  # exactness: pads 1-row calls where kernels differ
-            # exactness of batches: a sequence's bits must not depend on who shares its call
-            # (said at load where batching was asked for, else at the first batched call)
+            # batches: a sequence's bits must not depend on who shares its call (said at load if asked)
             probe_batch_invariance(self.target, warn=max_batch is not None and max_batch > 1)
         self.chat_template = (ChatTemplate(bundle.chat_template, bundle.special_token_strings)
                               if bundle.chat_template is not None else None)
@@ -106,7 +107,7 @@ class Generator:
         return plan_speculation(config, width, draft_engine=self.draft_engine, vocab_size=self.vocab_size,
                                 draft_context=self.draft_context, policies=self.policies,
                                 default_overlap=self.overlap, verify_thread=self._shared_verify_thread,
-                                suffix_pool=self.suffix_pool)
+                                suffix_pool=self.suffix_pool, head=self.head)
 
     def warm_up(self, max_batch: int | None = None) -> dict[str, float]:
         """Pay now what the first requests would: the cost model of "auto" for batches of up to
@@ -376,14 +377,12 @@ def load(bundle: str | os.PathLike, provider: str = "cpu", draft_provider: str |
     CPU provider, 1 on GPU providers, where batched calls are not implemented yet).
     ``overlap``: the default of every generation's ``overlap`` (draft the next block while the
     target verifies this one, on a worker thread); it also gives the target its own thread pool
-    whose workers do not spin (a spinning worker takes the core the draft needs), and so should
-    not be combined with ``shared_thread_pool``.
-    ``draft_context``: the most tokens the draft model runs to catch up before proposing (default
-    64; None: all of them). A longer gap (a long prompt) restarts the draft on its last
-    ``draft_context`` tokens, and a re-entry after a stretch decoded without drafting on its last
-    32 (``RESYNC_CONTEXT``, at most ``draft_context``): proposals see a shorter history, the
-    output is unchanged, and the draft's prefill of a long prompt no longer costs more than
-    what speculation saves on the answer.
+    whose workers do not spin, and so should not be combined with ``shared_thread_pool``.
+    ``draft_context``: the most tokens the draft model (or the EAGLE-3 head: positions) runs to
+    catch up before proposing (default 64; None: all). A longer gap (a long prompt) restarts it on
+    its last ``draft_context`` tokens, a draft model's re-entry after a stretch decoded without
+    drafting on its last 32 (``RESYNC_CONTEXT``): proposals see a shorter history, the output is
+    unchanged, and prefilling a long prompt no longer costs more than speculation saves.
     ``suffix_pool``: let ``drafter="suffix"`` / ``"suffix_hybrid"`` also match the outputs of
     this generator's earlier requests (:class:`~specdec_rt.runtime.suffix.SuffixPool`; True: a
     pool of 200k tokens, one per ``user``, none for requests without one). Outputs stay exact.

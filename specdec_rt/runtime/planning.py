@@ -9,6 +9,7 @@ from typing import Callable
 
 from specdec_rt.errors import GenerationInputError
 from specdec_rt.runtime.drafters import Drafter, ModelDrafter, PromptLookupDrafter
+from specdec_rt.runtime.eagle import EagleHead
 from specdec_rt.runtime.hybrid import HybridDrafter, HybridPolicy
 from specdec_rt.runtime.overlap import VerifyThread
 from specdec_rt.runtime.policy_store import PolicyStore
@@ -37,11 +38,17 @@ class SpeculationPlan:
 
 
 def make_drafter(name: str | None, draft_engine, vocab_size: int, draft_context: int | None,
-                 suffix_pool: SuffixPool | None = None) -> Drafter | None:
-    """The drafter called ``name`` ("model", "prompt_lookup", "hybrid", "suffix", "suffix_hybrid";
-    None: target-only). ``suffix_pool``: what the suffix drafters also match against."""
+                 suffix_pool: SuffixPool | None = None, head: EagleHead | None = None) -> Drafter | None:
+    """The drafter called ``name`` ("model", "prompt_lookup", "hybrid", "suffix", "suffix_hybrid",
+    "eagle"; None: target-only). ``suffix_pool``: what the suffix drafters also match against;
+    ``head``: the bundle's EAGLE-3 head, opened."""
     if name is None:
         return None
+    if name == "eagle":
+        if head is None:
+            raise GenerationInputError("this bundle has no EAGLE-3 head (drafter='eagle'); export one with "
+                                       "specdec-export --draft-head DIR")
+        return head.drafter(draft_context)
     if name == "prompt_lookup":
         return PromptLookupDrafter()
     if name == "suffix":
@@ -64,17 +71,18 @@ def make_drafter(name: str | None, draft_engine, vocab_size: int, draft_context:
 def plan_speculation(config: SpeculationConfig, width: int, *, draft_engine, vocab_size: int,
                      draft_context: int | None, policies: PolicyStore, default_overlap: bool,
                      verify_thread: Callable[[], VerifyThread],
-                     suffix_pool: SuffixPool | None = None) -> SpeculationPlan:
+                     suffix_pool: SuffixPool | None = None, head: EagleHead | None = None) -> SpeculationPlan:
     """Resolve ``config`` for a generation of ``width`` sequences. ``default_overlap``: the
     generator's setting where ``config.overlap`` is None (chains only, and drafters that can
     draft ahead: the others run sequentially); ``verify_thread``: gives the generator's (one,
-    reused) verify worker; ``suffix_pool``: the generator's pool for the suffix drafters."""
+    reused) verify worker; ``suffix_pool``: the generator's pool for the suffix drafters; ``head``:
+    the generator's EAGLE-3 head, if its bundle has one."""
     overlap = config.overlap
     if overlap is None:
         overlap = default_overlap and config.speculation == "chain" and config.drafter not in NO_OVERLAP
     if overlap and config.drafter in NO_OVERLAP:
         raise GenerationInputError(f"drafter='{config.drafter}' does not draft ahead: use overlap=False with it")
-    drafter = make_drafter(config.drafter, draft_engine, vocab_size, draft_context, suffix_pool)
+    drafter = make_drafter(config.drafter, draft_engine, vocab_size, draft_context, suffix_pool, head)
     k, policy = 0, None
     if not config.auto:
         k = int(config.num_draft_tokens)

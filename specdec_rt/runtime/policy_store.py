@@ -15,6 +15,7 @@ import numpy as np
 
 from specdec_rt.runtime import cost_cache
 from specdec_rt.runtime.cost_model import CostModel, batch_widths, measure_cost_model, measure_engine, measure_width
+from specdec_rt.runtime.eagle import EagleHead
 from specdec_rt.runtime.engine import OrtEngine
 from specdec_rt.runtime.policy import AdaptivePolicy
 from specdec_rt.runtime.tree_policy import TreePolicy
@@ -32,9 +33,11 @@ class PolicyStore:
     """
 
     def __init__(self, target: OrtEngine, draft: OrtEngine | None = None, manifest: dict | None = None,
-                 clock=time.perf_counter) -> None:
+                 clock=time.perf_counter, head: EagleHead | None = None) -> None:
         self.target = target
         self.draft = draft
+        self.head = head  # the bundle's EAGLE-3 head: its step is drafter="eagle"'s cost
+        self.head_step: float | None = None  # measured at the first "auto" eagle generation
         self.manifest = manifest  # the bundle's: keys the on-disk cost model (None: no disk cache)
         self.clock = clock
         self.cost_model: CostModel | None = None
@@ -48,7 +51,12 @@ class PolicyStore:
         covers batches of up to ``max_width`` sequences."""
         key = (scope + (drafter or "none"), bool(overlap))
         cost = self.measured(self.draft if drafter == "model" else None, max_width)
-        if drafter != "model":  # prompt lookup: drafting costs (next to) nothing
+        if drafter == "eagle" and self.head is not None:  # one head call per drafted token and row
+            if self.head_step is None:
+                self.head_step = self.head.measure_step(clock=self.clock)
+            c = self.head_step
+            cost = CostModel(cost.target_times, c, {b: (t, b * c) for b, (t, _) in cost.widths.items()})
+        elif drafter != "model":  # prompt lookup: drafting costs (next to) nothing
             cost = CostModel(cost.target_times, 0.0, {b: (t, 0.0) for b, (t, _) in cost.widths.items()})
         policy = self.chains.get(key)
         if policy is None:

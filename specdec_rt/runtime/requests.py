@@ -27,7 +27,7 @@ class SpeculationConfig:
 
     ``num_draft_tokens``: K, 0..64, or ``"auto"`` (the cost-model policy; trees: the shape policy,
     or a node budget when an integer); ``drafter``: "model", "prompt_lookup", "hybrid", "suffix",
-    "suffix_hybrid" or None ("none") for target-only decoding; ``speculation``: "chain" or "tree";
+    "suffix_hybrid", "eagle" (the bundle's EAGLE-3 head) or None ("none") for target-only decoding; ``speculation``: "chain" or "tree";
     ``overlap``: draft the next block while the target verifies (None: the generator's default);
     ``tree_shape``: a fixed tree template or shape (trees only).
     """

@@ -25,6 +25,7 @@ import numpy as np
 
 from specdec_rt.errors import GenerationInputError
 from specdec_rt.runtime.drafters import ModelDrafter
+from specdec_rt.runtime.eagle import EagleDrafter
 from specdec_rt.runtime.engine import OrtEngine
 from specdec_rt.runtime.masks import causal_mask, tree_mask
 from specdec_rt.runtime.sampling import probabilities, sample
@@ -80,8 +81,11 @@ def tree_generation(target: OrtEngine, drafter, prompt: list[int], cfg: LoopConf
     check_tree_setting(drafter, exact_trees)
     shape = config.tree_shape
     if isinstance(shape, Template):
+        if not isinstance(drafter, ModelDrafter):
+            raise GenerationInputError("a fixed tree Template is drafted by the draft model (drafter='model'); "
+                                       "drafter='eagle' grows dynamic trees: give a TreeShape or a node budget")
         return run_tree(target, drafter, prompt, cfg, rng, stats, policy=FixedTemplate(shape))
-    if config.auto and shape is None:
+    if config.auto and shape is None and isinstance(drafter, ModelDrafter):
         # the shape policy: budget, depth and width per step from the cost model and the running
         # acceptance estimates (a chain where branches do not pay)
         return run_tree(target, drafter, prompt, cfg, rng, stats, policy=policies.tree())
@@ -103,9 +107,9 @@ def batch_tree_step(target: OrtEngine, drafter, config: SpeculationConfig, exact
 
 
 def check_tree_setting(drafter, exact_trees: bool) -> None:
-    """Trees need the draft model and a target whose tree verification is exact."""
-    if not isinstance(drafter, ModelDrafter):
-        raise GenerationInputError("speculation='tree' needs drafter='model'")
+    """Trees need the draft model or an EAGLE-3 head, and a target whose tree verification is exact."""
+    if not isinstance(drafter, (ModelDrafter, EagleDrafter)):
+        raise GenerationInputError("speculation='tree' needs drafter='model' or 'eagle'")
     if not exact_trees:
         raise GenerationInputError(
             "this bundle's target sums attention in float32 (exported with --portable, "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -27,25 +28,39 @@ class TreeNode:
     slot: int = -1  # slot in the draft's cache region for this step
 
 
-class TreeDrafter:
-    """Builds a token tree with the draft model."""
+class TreeSource(Protocol):
+    """What a dynamic tree is drafted with (the draft model, or an EAGLE-3 head): ``tree_root``
+    catches up and gives the root's row (logits over the target vocabulary), a per-node state
+    (None for a draft model; the head's hidden output) and where its tree region starts (``base``,
+    committed cache slots) and the root's position; ``tree_level`` runs one level's nodes in one
+    call under a tree mask (each with its parent's state) and commits them to the region."""
 
-    def __init__(self, drafter: ModelDrafter, shape: TreeShape) -> None:
+    engine: object
+
+    def tree_root(self, tokens: list[int], seq: int) -> tuple[np.ndarray, object, int, int]: ...
+
+    def tree_level(self, ids: np.ndarray, positions: np.ndarray, mask: np.ndarray, states: list,
+                   seq: int) -> tuple[np.ndarray, list]: ...
+
+
+class TreeDrafter:
+    """Builds a token tree with the draft model or any other :class:`TreeSource`."""
+
+    def __init__(self, drafter: TreeSource, shape: TreeShape) -> None:
         self.d = drafter
         self.shape = shape
 
     def build(self, tokens: list[int], params: SamplingParams, rng: np.random.Generator,
               seq: int = 0) -> list[TreeNode]:
-        """The tree after ``tokens`` (its root: the last one), drafted on the draft's cache
+        """The tree after ``tokens`` (its root: the last one), drafted on the drafter's cache
         sequence ``seq``."""
         d, eng, shape = self.d, self.d.engine, self.shape
-        root_row = d.advance(d.unseen(tokens, seq), seq)  # catch up; the last token is the root
-        base = eng.lengths[seq]  # committed draft prefix incl. the root
-        root_pos = base - 1  # the draft's own position of the root (its history may be cut: unseen())
+        root_row, root_state, base, root_pos = d.tree_root(tokens, seq)  # catch up; the last token is the root
         nodes = [TreeNode(tokens[-1], -1, 0, 0.0)]
         frontier = [0]
         backbone = [0]  # the draft's greedy chain: always expanded, always kept (greedy mode)
         rows = {0: root_row}
+        states = {0: root_state}
         region: list[int] = []  # node index of each slot in the draft's tree region
         room = eng.max_len - base
         for level in range(1, shape.depth + 1):
@@ -82,10 +97,9 @@ class TreeDrafter:
             # columns: committed prefix (positions 0..base-1), then the tree region
             mask = tree_mask(base, visible[:, :len(region) - len(frontier)], pos, eng.info.sliding_window,
                              new_block=visible[:, len(region) - len(frontier):])
-            logits = eng.forward(ids, pos, mask, seq)
-            eng.commit(len(frontier), seq)
-            d.calls += 1
+            logits, level_states = d.tree_level(ids, pos, mask, [states[nodes[i].parent] for i in frontier], seq)
             rows = {ni: logits[r] for r, ni in enumerate(frontier)}
+            states = {ni: level_states[r] for r, ni in enumerate(frontier)}
         eng.rollback(base, seq)  # tree nodes never enter the draft's committed cache
         if params.greedy and nodes[backbone[-1]].children:  # the deepest level's top child
             backbone.append(max(nodes[backbone[-1]].children.values(), key=lambda i: nodes[i].score))

@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from specdec_rt.errors import USER_ERRORS
-from specdec_rt.runtime.drafter_names import NEEDS_DRAFT_MODEL
+from specdec_rt.runtime.drafter_names import NEEDS_DRAFT_MODEL, NEEDS_HEAD
 from specdec_rt.serving import protocol as P
 from specdec_rt.serving.generate_route import RequestError, parse_request
 from specdec_rt.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -49,7 +49,7 @@ class ServerConfig:
 
     model_name: str = "specdec"
     num_draft_tokens: int | str = "auto"
-    drafter: str | None = "auto"  # "auto": "model" when the bundle has a draft, else None
+    drafter: str | None = "auto"  # "auto": "eagle" with a head, "model" with a draft, else None
     speculation: str = "chain"
     max_queue: int = 64
     max_batch: int | None = None  # rows decoding at once; None: the generator's max_batch (1 = serial)
@@ -135,8 +135,9 @@ class SpecdecAPI:
         self.context = generator.max_length
         self.max_tokens_limit = config.max_tokens_limit or self.context
         drafter = config.drafter
-        if drafter == "auto":
-            drafter = "model" if generator.draft_engine is not None else None
+        if drafter == "auto":  # the bundle's EAGLE-3 head, else its draft model, else target-only
+            drafter = ("eagle" if getattr(generator, "head", None) is not None
+                       else "model" if generator.draft_engine is not None else None)
         self.defaults = {"num_draft_tokens": config.num_draft_tokens, "drafter": None if drafter == "none" else drafter,
                          "speculation": config.speculation}
         self.created = int(time.time())
@@ -185,8 +186,12 @@ class SpecdecAPI:
         if kwargs.get("drafter") in NEEDS_DRAFT_MODEL and self.gen.draft_engine is None:
             raise P.bad(f"this bundle has no draft model (drafter '{kwargs['drafter']}' needs one); use "
                         "specdec.drafter 'prompt_lookup', 'suffix' or 'none'", "specdec.drafter", "invalid_value")
-        if kwargs.get("speculation") == "tree" and kwargs.get("drafter") != "model":
-            raise P.bad("specdec.speculation 'tree' needs drafter 'model'", "specdec.speculation", "invalid_value")
+        if kwargs.get("drafter") in NEEDS_HEAD and self.gen.head is None:
+            raise P.bad("this bundle has no EAGLE-3 head (drafter 'eagle' needs one: specdec-export --draft-head)",
+                        "specdec.drafter", "invalid_value")
+        if kwargs.get("speculation") == "tree" and kwargs.get("drafter") not in ("model", "eagle"):
+            raise P.bad("specdec.speculation 'tree' needs drafter 'model' or 'eagle'", "specdec.speculation",
+                        "invalid_value")
 
     def _prompt_ids(self, req: P.ParsedRequest) -> list[int]:
         """Tokenize / render (runs in a worker thread); the runtime's own prompt checks apply."""

@@ -19,7 +19,7 @@ series carry a ``model_name`` label, as vLLM's do.
 | ``P:spec_decode_num_draft_tokens_total`` | counter | draft tokens proposed |
 | ``P:spec_decode_num_accepted_tokens_total`` | counter | draft tokens accepted |
 | ``P:spec_decode_num_accepted_tokens_per_pos_total{position}`` | counter | accepted at draft position 0, 1, ... |
-| ``P:spec_decode_drafter_drafts_total{drafter}`` | counter | the drafts, per drafter (model, prompt_lookup, hybrid, suffix, suffix_hybrid) |
+| ``P:spec_decode_drafter_drafts_total{drafter}`` | counter | the drafts, per drafter (model, prompt_lookup, hybrid, suffix, suffix_hybrid, eagle) |
 | ``P:spec_decode_drafter_draft_tokens_total{drafter}`` | counter | draft tokens proposed, per drafter |
 | ``P:spec_decode_drafter_accepted_tokens_total{drafter}`` | counter | draft tokens accepted, per drafter |
 

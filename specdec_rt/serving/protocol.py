@@ -9,7 +9,7 @@ the request's suffix pool (``--suffix-pool per-user``) and changes nothing else.
 
 Extensions (vLLM's names where vLLM has them): ``top_k`` (0 or -1: off), ``ignore_eos``,
 ``chat_template_kwargs`` (chat), and ``specdec``: ``{"num_draft_tokens": 0..64 | "auto",
-"drafter": "model" | "prompt_lookup" | "hybrid" | "suffix" | "suffix_hybrid" | "none", "speculation": "chain" | "tree", "timeout": s}``
+"drafter": "model" | "prompt_lookup" | "hybrid" | "suffix" | "suffix_hybrid" | "eagle" | "none", "speculation": "chain" | "tree", "timeout": s}``
 overriding the server's defaults for one request.
 """
 from __future__ import annotations

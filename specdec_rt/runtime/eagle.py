@@ -1,0 +1,221 @@
+"""Drafting from the target's own hidden states: an EAGLE-3 feature head (issue 22).
+
+The bundle's target graph also outputs ``features`` (the residual streams after three of its
+layers, concatenated) for every row it computes; its engine keeps them per position, at the slots
+its K/V take, so that what the target committed (a chain's accepted prefix, a tree's compacted
+path) is what the head reads. The head is two small graphs: ``fc`` (features -> H) and one decoder
+layer with its own KV cache and a reduced-vocabulary LM head (logits over the target's vocabulary,
+-inf outside the draft vocabulary).
+
+Rows: the head's row at position ``i`` pairs the target's features of position ``i`` with the
+token at ``i + 1`` and predicts the token at ``i + 2``. Before proposing, the head catches up on
+every position the target committed since its last proposal (features known); each draft step
+then feeds back its own output (``hidden_out``) with the token it just drafted. Drafted rows are
+rolled back after the proposal: once verified, their positions get the target's features.
+Proposals only shape what is verified, so greedy output stays the target's and sampled output
+its distribution, whatever the head says.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from specdec_rt.errors import GenerationInputError
+from specdec_rt.runtime.rows import DraftReport, StepReport
+from specdec_rt.runtime.sampling import probabilities, sample
+
+if TYPE_CHECKING:
+    from specdec_rt.runtime.bundle import Bundle
+    from specdec_rt.runtime.engine import OrtEngine
+    from specdec_rt.runtime.rows import Row
+
+# The most positions a catch-up runs: a longer gap (the prompt, or a long stretch decoded without
+# drafting) restarts the head's sequence on the last HEAD_CONTEXT positions. Every catch-up row
+# pays the head's LM head (the graph computes logits for every row), so a 2k-token prompt would
+# cost the head more than a target step; the head's proposals only need recent context.
+HEAD_CONTEXT = 64
+
+
+class EagleDrafter:
+    """The ``drafter="eagle"`` proposer: a head engine (``head``, one decoder layer with its own
+    cache, ``hidden_states`` in and ``hidden_out`` out), the ``fc`` session, and the ``target``
+    engine whose ``features`` it reads (enabled with :meth:`OrtEngine.enable_features`)."""
+
+    name = "eagle"
+
+    def __init__(self, head: OrtEngine, fc, target: OrtEngine, context: int | None = HEAD_CONTEXT) -> None:
+        if getattr(target, "features", None) is None:
+            raise GenerationInputError("drafter='eagle' needs the target's features, which this engine does not "
+                                       "keep (EAGLE-3 heads run on ONNX Runtime engines, not native TensorRT)")
+        self.head, self.fc, self.target = head, fc, target
+        self.context = context
+        if "hidden_out" not in head.extra_outputs:
+            head.extra_outputs.append("hidden_out")
+        n = getattr(head, "max_batch", 1)
+        self._done = [0] * n  # per sequence: target positions the head has read (its cache: the last ones)
+        self._last: list[tuple[np.ndarray, np.ndarray] | None] = [None] * n  # last committed row's (logits, hidden)
+        self.calls = 0
+        self.time = 0.0
+        self.report = DraftReport()
+
+    @property
+    def engine(self) -> OrtEngine:
+        """The head's engine (the cache a tree region is drafted in)."""
+        return self.head
+
+    def begin(self, prompt: list[int], seq: int = 0) -> None:
+        """A fresh sequence: the head catches up lazily, at the first proposal."""
+        self.head.reset(seq)
+        self._done[seq] = 0
+        self._last[seq] = None
+
+    def _rows(self, ids: list[int], positions: np.ndarray, hidden: np.ndarray, seq: int) -> tuple[np.ndarray, np.ndarray]:
+        """Run rows at the head's next slots (causal over its cache); returns (logits, hidden_out)."""
+        head = self.head
+        p = head.lengths[seq]
+        mask = np.zeros((len(ids), p + len(ids)), dtype=np.float32)
+        mask[:, p:] = np.triu(np.full((len(ids), len(ids)), -np.inf, dtype=np.float32), 1)
+        head.call_inputs = {"hidden_states": np.ascontiguousarray(hidden[None], dtype=np.float32)}
+        logits = head.forward(np.asarray(ids, dtype=np.int64), positions, mask, seq)
+        self.calls += 1
+        return logits, head.outputs["hidden_out"]
+
+    def catch_up(self, tokens: list[int], seq: int) -> tuple[np.ndarray, np.ndarray]:
+        """Feed the head every position the target committed since the last proposal; returns
+        the last row's (logits, hidden_out): its prediction for the token after ``tokens``."""
+        avail = self.target.lengths[seq]  # features of positions < avail are the target's
+        if avail != len(tokens) - 1:
+            raise RuntimeError(f"eagle drafter: the target holds {avail} positions, the row {len(tokens)} tokens")
+        done = self._done[seq]
+        if self.context and avail - done > self.context:  # too far behind: restart on recent positions
+            self.head.reset(seq)
+            done = self._done[seq] = avail - self.context  # head slot 0 now holds this position
+        if done < avail:
+            features = self.target.features[seq, done:avail]
+            hidden = self.fc.run(["hidden_states"], {"features": features[None]})[0][0]
+            logits, out = self._rows(tokens[done + 1:avail + 1], np.arange(done, avail, dtype=np.int64), hidden, seq)
+            self.head.commit(avail - done, seq)
+            self._done[seq] = avail
+            self._last[seq] = (logits[-1].copy(), out[-1].copy())
+        last = self._last[seq]
+        assert last is not None  # the prompt leaves at least one position to catch up on
+        return last
+
+    def propose(self, rows: list[Row], ks: list[int]) -> list[tuple[list[int], np.ndarray | None]]:
+        t0 = time.perf_counter()
+        out: list[tuple[list[int], np.ndarray | None]] = []
+        first = 0.0
+        long_catch_up = False
+        for row, k in zip(rows, ks):
+            k = min(k, self.head.max_len - len(row.tokens))
+            if k <= 0:
+                out.append(([], None))
+                continue
+            seq = row.seq
+            long_catch_up |= self._done[seq] == 0
+            logits, hidden = self.catch_up(row.tokens, seq)
+            if not first:
+                first = time.perf_counter() - t0
+            base = self.head.lengths[seq]
+            pos = len(row.tokens) - 1  # the next head row's position: the last committed token's
+            params = row.cfg.params
+            drafts: list[int] = []
+            qs: list[np.ndarray] = []
+            while True:
+                if params.greedy:
+                    tok = int(np.argmax(logits))
+                else:
+                    q = probabilities(logits[None, :], params)[0]
+                    tok = sample(q, row.rng)
+                    qs.append(q)
+                drafts.append(tok)
+                if len(drafts) == k:
+                    break
+                x, h = self._rows([tok], np.array([pos], dtype=np.int64), hidden[None], seq)
+                self.head.commit(1, seq)
+                logits, hidden = x[-1], h[-1]
+                pos += 1
+            self.head.rollback(base, seq)  # drafted rows: recomputed from the target's features once verified
+            out.append((drafts, np.stack(qs) if qs else None))
+        spent = time.perf_counter() - t0
+        self.time += spent
+        self.report = DraftReport(spent, first / spent if first and spent > 0 else None, long_catch_up)
+        return out
+
+    def tree_root(self, tokens: list[int], seq: int = 0) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """A dynamic tree's start (:class:`~specdec_rt.runtime.tree_drafters.TreeSource`): the
+        catch-up's last row predicts the root's children, and its hidden output is their state; a
+        depth-d node's row sits at position ``len(tokens) - 2 + d``."""
+        logits, hidden = self.catch_up(tokens, seq)
+        return logits, hidden, self.head.lengths[seq], len(tokens) - 2
+
+    def tree_level(self, ids: np.ndarray, positions: np.ndarray, mask: np.ndarray, states: list,
+                   seq: int = 0) -> tuple[np.ndarray, list]:
+        """One tree level: each node's row reads its parent's hidden output and its own token."""
+        head = self.head
+        head.call_inputs = {"hidden_states": np.stack(states)[None].astype(np.float32, copy=False)}
+        logits = head.forward(np.asarray(ids, dtype=np.int64), positions, mask, seq)
+        out = head.outputs["hidden_out"]
+        head.commit(len(ids), seq)
+        self.calls += 1
+        return logits, list(out)
+
+    def observe(self, step: StepReport) -> None:
+        """Nothing to undo: drafted rows were rolled back when proposed."""
+
+    def end(self, seq: int = 0) -> None:
+        """The sequence left; its head sequence is reset at the next :meth:`begin`."""
+
+
+class EagleHead:
+    """A bundle's head, opened: its engine (own cache, ``max_batch`` sequences) and fc session,
+    bound to the target engine whose features it reads (enabled here)."""
+
+    def __init__(self, bundle: Bundle, target: OrtEngine, max_len: int, provider: str = "cpu",
+                 threads: int | None = None, io_binding: bool | None = None, shared_pool: bool = False,
+                 max_batch: int = 1) -> None:
+        import onnxruntime as ort
+
+        from specdec_rt.runtime.factory import make_engine
+        from specdec_rt.runtime.providers import resolve_provider
+        from specdec_rt.runtime.sessions import session_options
+
+        if not hasattr(target, "enable_features"):
+            raise GenerationInputError("drafter='eagle' runs on ONNX Runtime engines: the native TensorRT engine "
+                                       "does not output the target's features")
+        info = bundle.head
+        assert info is not None and info.fc_graph
+        target.enable_features()
+        self.target = target
+        self.engine = make_engine(bundle.graph_path("head"), info, max_len, provider, threads, bundle.root,
+                                  io_binding, shared_pool, max_batch)
+        self.fc = ort.InferenceSession(str(bundle.root / info.fc_graph), session_options(threads, shared_pool),
+                                       providers=list(dict.fromkeys([resolve_provider(provider), "CPUExecutionProvider"])))
+
+    def drafter(self, context: int | None = HEAD_CONTEXT) -> EagleDrafter:
+        return EagleDrafter(self.engine, self.fc, self.target, context)
+
+    def measure_step(self, past: int = 64, reps: int = 11, clock=time.perf_counter) -> float:
+        """Least-disturbed time of one draft step (a one-row head call over ``past`` positions):
+        the drafting cost "auto" prices an eagle step with (its catch-up call is learned in the
+        loop as the first call's share)."""
+        eng = self.engine
+        hidden = np.zeros((1, 1, eng.info.hidden_size), dtype=np.float32)
+        past = max(0, min(past, eng.max_len - 2))
+        eng.reset(0)
+        if past:
+            eng.call_inputs = {"hidden_states": np.zeros((1, past, eng.info.hidden_size), dtype=np.float32)}
+            pos = np.arange(past, dtype=np.int64)
+            eng.forward(np.zeros(past, dtype=np.int64), pos, np.zeros((past, past), dtype=np.float32))
+            eng.commit(past)
+        eng.call_inputs = {"hidden_states": hidden}
+        ids, pos, mask = np.zeros(1, dtype=np.int64), np.array([past]), np.zeros((1, past + 1), dtype=np.float32)
+        best = float("inf")
+        for _ in range(reps):
+            t0 = clock()
+            eng.forward(ids, pos, mask)
+            best = min(best, clock() - t0)
+        eng.reset(0)
+        return best

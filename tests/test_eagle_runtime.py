@@ -1,0 +1,212 @@
+"""drafter="eagle": an EAGLE-3 head drafting from the target's features, exact as every drafter.
+
+The head here has random weights (acceptance is whatever it is): what is tested is that output
+never depends on it, that the runtime's proposals are the PyTorch head's (the row convention, the
+catch-up, the feature cache through commits and rollbacks), and the errors users meet.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+import specdec_rt
+from helpers import llama_config, make_checkpoint
+
+PROMPTS = ["def add(a, b):", "import os\nimport sys\n", "class Stack:\n    def push(self, x):", "for i in range(10):"]
+
+
+def _random_head(target_dir, out_dir, seed: int = 1, draft_vocab: int | None = None):
+    """A random head for the checkpoint at ``target_dir`` (feature layers 0, 1, 1 of 2)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specdec_rt.export.eagle import EagleConfig, EagleHead, save_head
+
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir))
+    c = model.config
+    vocab = c.vocab_size
+    cfg = EagleConfig(hidden_size=c.hidden_size, intermediate_size=2 * c.hidden_size,
+                      num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                      head_dim=c.hidden_size // c.num_attention_heads, vocab_size=vocab,
+                      draft_vocab_size=draft_vocab or vocab, target_hidden_size=c.hidden_size,
+                      feature_layers=(0, 1, 1), max_position_embeddings=c.max_position_embeddings)
+    torch.manual_seed(seed)
+    head = EagleHead(cfg, model.get_input_embeddings().weight.detach())
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if p.dim() >= 2 and p.requires_grad:
+                p.normal_(0, 0.08)
+        if draft_vocab:  # even ids first, then odd ones
+            ids = torch.cat([torch.arange(0, vocab, 2), torch.arange(1, vocab, 2)])[:draft_vocab]
+            head.d2t.copy_(ids - torch.arange(draft_vocab))
+    save_head(head, out_dir)
+    return head, model
+
+
+@pytest.fixture(scope="module")
+def eagle_pair(tmp_path_factory):
+    from specdec_rt.export.pipeline import ExportOptions, export_pair
+
+    base = tmp_path_factory.mktemp("eagle")
+    target = make_checkpoint(llama_config(), base / "target", seed=0)
+    head, model = _random_head(target, base / "head", draft_vocab=40)
+    bundle = base / "bundle"
+    export_pair(target, None, bundle, ExportOptions(progress=False, draft_head=str(base / "head")))
+    return {"target": target, "bundle": bundle, "head": head, "model": model, "head_dir": base / "head"}
+
+
+@pytest.fixture(scope="module")
+def eagle_gen(eagle_pair):
+    return specdec_rt.load(eagle_pair["bundle"], threads=1)
+
+
+@pytest.mark.parametrize("k", [1, 3, "auto"])
+def test_eagle_greedy_is_target_only(eagle_gen, k):
+    for prompt in PROMPTS:
+        base = eagle_gen.generate(prompt, max_new_tokens=24, drafter=None, ignore_eos=True)
+        spec = eagle_gen.generate(prompt, max_new_tokens=24, drafter="eagle", num_draft_tokens=k, ignore_eos=True)
+        assert spec.token_ids == base.token_ids
+        assert spec.stats.drafter == "eagle"
+        if k != "auto":
+            assert spec.stats.proposed > 0  # it drafted
+
+
+@pytest.mark.parametrize("budget", [4, "auto"])
+def test_eagle_trees_are_target_only(eagle_gen, budget):
+    """Dynamic trees grown by the head (each node's row reads its parent's hidden output)."""
+    for prompt in PROMPTS:
+        base = eagle_gen.generate(prompt, max_new_tokens=20, drafter=None, ignore_eos=True)
+        spec = eagle_gen.generate(prompt, max_new_tokens=20, drafter="eagle", speculation="tree",
+                                  num_draft_tokens=budget, ignore_eos=True)
+        assert spec.token_ids == base.token_ids
+        assert spec.stats.proposed > 0
+    rows = eagle_gen.generate_batch(PROMPTS, max_new_tokens=12, drafter="eagle", speculation="tree",
+                                    num_draft_tokens=6, ignore_eos=True)
+    assert [r.token_ids for r in rows] == [eagle_gen.generate(p, max_new_tokens=12, drafter=None,
+                                                              ignore_eos=True).token_ids for p in PROMPTS]
+
+
+def test_eagle_batch_is_target_only(eagle_gen):
+    base = [eagle_gen.generate(p, max_new_tokens=16, drafter=None, ignore_eos=True).token_ids for p in PROMPTS]
+    out = eagle_gen.generate_batch(PROMPTS, max_new_tokens=16, drafter="eagle", num_draft_tokens=3, ignore_eos=True)
+    assert [r.token_ids for r in out] == base
+
+
+def test_feature_cache_holds_the_committed_positions(eagle_gen, eagle_pair):
+    """After a speculative generation (rollbacks of rejected drafts included), the target's
+    per-position features are those of one forward over the committed tokens."""
+    import torch
+
+    from specdec_rt.export.eagle import target_features
+
+    res = eagle_gen.generate(PROMPTS[1], max_new_tokens=20, drafter="eagle", num_draft_tokens=4, ignore_eos=True)
+    tokens = eagle_gen.encode_prompt(PROMPTS[1]) + res.token_ids
+    held = eagle_gen.target.lengths[0]
+    assert held == len(tokens) - 1
+    want, _ = target_features(eagle_pair["model"], torch.tensor([tokens[:held]]), (0, 1, 1))
+    np.testing.assert_allclose(eagle_gen.target.features[0, :held], want[0].numpy(), atol=2e-4)
+
+
+def test_proposals_are_the_torch_heads(eagle_gen, eagle_pair):
+    """The runtime's greedy chain from a committed prefix equals EagleHead.step in PyTorch run
+    the same way: catch-up rows on the target's features, then its own hidden fed back."""
+    import torch
+
+    from specdec_rt.export.eagle import target_features
+    from specdec_rt.runtime.eagle import EagleDrafter
+    from specdec_rt.runtime.gen_config import GenerationDefaults  # noqa: F401 - the loop's types below
+    from specdec_rt.runtime.requests import RowRequest
+
+    gen, head = eagle_gen, eagle_pair["head"]
+    tokens = gen.encode_prompt(PROMPTS[2])
+    gen.target.reset(0)
+    gen.target.extend(tokens[:-1])  # the loop's invariant: the target holds every token but the last
+    drafter = EagleDrafter(gen.head.engine, gen.head.fc, gen.target, context=None)
+    drafter.begin(tokens)
+    cfg = RowRequest(PROMPTS[2], max_new_tokens=8).loop_config(gen.generation_defaults, gen.eos_token_ids)
+
+    class _Row:  # what propose reads of a row
+        seq, rng = 0, np.random.default_rng(0)
+
+    row = _Row()
+    row.tokens, row.cfg = tokens, cfg
+    (drafts, q), = drafter.propose([row], [4])
+    assert q is None and len(drafts) == 4
+
+    feats, _ = target_features(eagle_pair["model"], torch.tensor([tokens[:-1]]), (0, 1, 1))
+    with torch.no_grad():
+        n = len(tokens) - 1
+        hidden = head.fc(feats)
+        logits, out, (k, v) = head.step(torch.tensor([tokens[1:]]), hidden, torch.arange(n)[None])
+        want, last, pos = [], out[:, -1:], n
+        x = logits[0, -1]
+        for _ in range(4):
+            tok = int(torch.argmax(x))
+            want.append(tok)
+            x, last, (k2, v2) = head.step(torch.tensor([[tok]]), last, torch.tensor([[pos]]), past=(k, v))
+            k, v, x, pos = torch.cat([k, k2], 2), torch.cat([v, v2], 2), x[0, -1], pos + 1
+    assert drafts == want
+    # the head proposes only from its draft vocabulary (every other token id)
+    assert all(t % 2 == 0 for t in drafts)
+    gen.target.reset(0)
+
+
+def test_eagle_sampling_is_seeded_and_valid(eagle_gen):
+    a = eagle_gen.generate(PROMPTS[0], max_new_tokens=16, drafter="eagle", num_draft_tokens=3, temperature=0.9,
+                           seed=5, ignore_eos=True)
+    b = eagle_gen.generate(PROMPTS[0], max_new_tokens=16, drafter="eagle", num_draft_tokens=3, temperature=0.9,
+                           seed=5, ignore_eos=True)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 16
+
+
+def test_eagle_errors(eagle_gen, tiny_gen, eagle_pair, tmp_path):
+    from specdec_rt.errors import BundleError, GenerationInputError
+    from specdec_rt.runtime.tree import Template
+
+    with pytest.raises(GenerationInputError, match="no EAGLE-3 head"):
+        tiny_gen.generate("x = 1", max_new_tokens=4, drafter="eagle")
+    with pytest.raises(GenerationInputError, match="dynamic trees"):
+        eagle_gen.generate("x = 1", max_new_tokens=4, drafter="eagle", speculation="tree",
+                           tree_shape=Template((-1, 0, 0), (0, 0, 1)))
+    with pytest.raises(GenerationInputError, match="no draft model"):
+        eagle_gen.generate("x = 1", max_new_tokens=4, drafter="model")
+    # a tampered head graph is refused at load, naming the file
+    bad = tmp_path / "bundle"
+    shutil.copytree(eagle_pair["bundle"], bad)
+    graph = bad / "head" / "model.onnx"
+    graph.write_bytes(graph.read_bytes() + b"\0")
+    with pytest.raises(BundleError, match="head/model.onnx"):
+        specdec_rt.load(bad, threads=1)
+    # a manifest whose head reads other layers than the target outputs
+    manifest = json.loads((bad / "manifest.json").read_text())
+    graph.write_bytes(graph.read_bytes()[:-1])
+    manifest["models"]["head"]["feature_layers"] = [0, 0, 1]
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="layers"):
+        specdec_rt.load(bad, threads=1)
+
+
+def test_eagle_sampling_follows_the_target_distribution(tiny_vocab_pair, tmp_path):
+    """Chi-square: the first three tokens of sampled eagle speculation follow the target's exact
+    processed law (a head over 10 of the 16 tokens: the other 6 only come from the target)."""
+    from test_sampling import N_RUNS, PROMPT, assert_follows_joint, exact_joint
+
+    from specdec_rt.export.pipeline import ExportOptions, export_pair
+
+    _random_head(tiny_vocab_pair["target"], tmp_path / "head", seed=2, draft_vocab=10)
+    export_pair(tiny_vocab_pair["target"], None, tmp_path / "bundle",
+                ExportOptions(progress=False, draft_head=str(tmp_path / "head")))
+    gen = specdec_rt.load(tmp_path / "bundle", threads=1)
+    joint = exact_joint(tiny_vocab_pair["target"], 0.9, 0, 1.0)
+    counts = np.zeros_like(joint)
+    proposed = rejected = 0
+    for seed in range(N_RUNS):
+        out = gen.generate_ids(PROMPT, max_new_tokens=4, seed=seed, ignore_eos=True, temperature=0.9, top_k=0,
+                               top_p=1.0, drafter="eagle", num_draft_tokens=2)
+        counts[out[0], out[1], out[2]] += 1
+        proposed += gen.last_stats.proposed
+        rejected += gen.last_stats.proposed - gen.last_stats.accepted
+    assert_follows_joint(counts, joint, proposed, rejected)
