@@ -34,11 +34,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cut the draft's LM head to N tokens (the N most frequent by BPE merge order, plus every "
                          "special token): cheaper draft calls, proposals only among those tokens; verification "
                          "and output are unchanged (e.g. 32768 for 152k-token vocabularies)")
+    ap.add_argument("--draft-head", default=None, metavar="DIR",
+                    help="an EAGLE-3 feature head folder (config.json + model.safetensors or pytorch_model.bin, "
+                         "published EAGLE-3 names) trained for --target: the target graph gets a 'features' output "
+                         "for the head's layers and the head's graphs go to head/ (with or without --draft)")
     ap.add_argument("--float-embedding", action="store_true",
                     help="with --quantize: keep the embedding table in the graph dtype (larger, no "
                          "quantization error on the lookup)")
-    ap.add_argument("--quantize-models", default="target,draft",
-                    help="which models --quantize applies to (default: target,draft)")
+    ap.add_argument("--quantize-models", default="target,draft,head",
+                    help="which models --quantize applies to (default: target,draft,head; head: the "
+                         "--draft-head graphs)")
     ap.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17; JetPack 6 runs <= 18)")
     ap.add_argument("--max-context", type=int, default=None, help="max positions (default: model's, capped at 4096)")
     ap.add_argument("--portable", action="store_true",
@@ -85,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             draft_fused_attention=not args.draft_plain_attention, target_attention=args.target_attention,
             validate=not args.no_validate, progress=not args.quiet, quantize_embedding=not args.float_embedding,
             gguf_cache=args.gguf_cache,
-            block_size=args.block_size, draft_vocab=args.draft_vocab,
+            block_size=args.block_size, draft_vocab=args.draft_vocab, draft_head=args.draft_head,
         )
         manifest = export_pair(args.target, args.draft, args.out, opts)
         if args.trt:

@@ -48,7 +48,7 @@ TARGET_ATTENTION = ("fp64", "native", "fused")
 class ExportOptions:
     dtype: str = "fp32"
     quantize: str | None = None
-    quantize_roles: tuple[str, ...] = ("target", "draft")
+    quantize_roles: tuple[str, ...] = ("target", "draft", "head")
     opset: int = 17
     max_context: int | None = None
     portable: bool = False
@@ -75,6 +75,10 @@ class ExportOptions:
     # 16 (there 32 needs one-row calls padded to two rows). 64 / 128 are not even row-position
     # invariant at accuracy level 4 (docs/design.md, "Exactness")
     block_size: int = DEFAULT_BLOCK_SIZE
+    # an EAGLE-3 feature head folder (config.json + weights, published names; eagle.load_head): the
+    # target gets a ``features`` output for its layers and the head's graphs go to ``head/``
+    # (specdec_rt.export.eagle_graph); with or without a draft model
+    draft_head: str | os.PathLike | None = None
 
     def check(self) -> None:
         if self.dtype == "bf16":
@@ -103,6 +107,9 @@ class ExportedModel:
     info: dict
     files: list[str] = field(default_factory=list)
     sha256: dict[str, str] = field(default_factory=dict)  # file -> digest, computed while writing
+    # the target's EAGLE-3 head (eagle.EagleHead, loaded with its embedding table), handed to
+    # eagle_graph.export_head by the pair's export and dropped there
+    eagle_head: object | None = None
 
 
 class _Stages:
@@ -526,11 +533,14 @@ def process_peak_rss() -> int:
 
 def export_model(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, role: str,
                  options: ExportOptions, stages: _Stages | None = None,
-                 max_context: int | None = None, tokenizer=None) -> ExportedModel:
+                 max_context: int | None = None, tokenizer=None, head_dir=None) -> ExportedModel:
     """Export one checkpoint into ``out_dir/<role>/model.onnx`` + ``model.onnx.data``.
 
     ``tokenizer`` (the pair's, a ``tokenizers.Tokenizer``) picks the tokens a draft exported with
-    ``options.draft_vocab`` keeps (default: the checkpoint's own tokenizer.json)."""
+    ``options.draft_vocab`` keeps (default: the checkpoint's own tokenizer.json). ``head_dir``
+    (target only): an EAGLE-3 head folder, checked against the loaded target and loaded with its
+    embedding table; the graph then outputs ``features`` for the head's layers (validated against
+    eagle.target_features) and the head comes back as ``eagle_head``."""
     options.check()
     ckpt = check_checkpoint(resolve_checkpoint(checkpoint, options.gguf_cache, options.progress))
     own_stages = stages is None
@@ -547,6 +557,14 @@ def export_model(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, role
     torch_dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     architectures = getattr(model.config, "architectures", None)
     stages.done()
+    head = None
+    if head_dir is not None:
+        from specdec_rt.export.eagle_graph import load_target_head
+
+        stages.start("load head")
+        head = load_target_head(head_dir, model, spec)
+        stages.done()
+    feature_layers = tuple(head.cfg.feature_layers) if head is not None else None
 
     output_ids = None
     if role == "draft" and options.draft_vocab:
@@ -557,7 +575,7 @@ def export_model(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, role
         from specdec_rt.export.validate import reference_outputs, restrict_vocab
 
         stages.start(f"reference {role}")
-        refs = reference_outputs(model, spec)
+        refs = reference_outputs(model, spec, feature_layers=feature_layers)
         if output_ids is not None:
             refs = restrict_vocab(refs, output_ids)
         stages.done()
@@ -571,7 +589,7 @@ def export_model(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, role
                                                               options.target_attention),
                               quantize=quant, quantize_embedding=options.quantize_embedding,
                               block_size=options.block_size,
-                              output_ids=output_ids)
+                              output_ids=output_ids, feature_layers=feature_layers)
     path = out / "model.onnx"
     written = write_model(spec, weights, graph_opts, str(path))
     if output_ids is not None:  # the record of what the draft may propose (the graph holds them too)
@@ -630,6 +648,7 @@ def export_model(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, role
         "size_bytes_unquantized": written.unquantized_bytes if quant else written.size_bytes,
         "validation": validation,
         "export_peak_rss_bytes": peak,  # sampled: the highest of this model's stages
+        **({"feature_layers": list(feature_layers)} if feature_layers else {}),  # the ``features`` output
         # format "gguf": the file it was converted from (path, bytes, file_type, architecture); "hf": the folder
         "source": {**source_record(ckpt), "checkpoint": str(ckpt.resolve()), "architectures": architectures,
                    "dtype": torch_dtype},
@@ -637,7 +656,7 @@ def export_model(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, role
     if own_stages:
         stages.close()
     sha = {str(Path(f).relative_to(out_dir)): d for f, d in written.sha256.items()}
-    return ExportedModel(role=role, spec=spec, info=info, files=list(sha), sha256=sha)
+    return ExportedModel(role=role, spec=spec, info=info, files=list(sha), sha256=sha, eagle_head=head)
 
 
 # -- the pair -------------------------------------------------------------------------------------
@@ -656,6 +675,10 @@ def export_pair(target: str | os.PathLike, draft: str | os.PathLike | None, out:
                      for p in (target, draft))
     t_ckpt = check_checkpoint(target)
     d_ckpt = check_checkpoint(draft) if draft is not None else None
+    if options.draft_head is not None:  # fail in seconds on a broken head folder, before any loading
+        from specdec_rt.export.eagle_graph import check_head_folder
+
+        check_head_folder(options.draft_head, t_ckpt)
     t_tok = load_tokenizer_json(t_ckpt)
     hashes = {"target": vocab_digest(t_tok)}
     if d_ckpt is not None:
@@ -691,6 +714,20 @@ def export_pair(target: str | os.PathLike, draft: str | os.PathLike | None, out:
     return manifest
 
 
+def _export_head(target: ExportedModel, out: Path, options: ExportOptions, stages: _Stages) -> ExportedModel:
+    """The EAGLE-3 head loaded with ``target`` into ``out/head/`` (eagle_graph.export_head)."""
+    from specdec_rt.export.eagle_graph import export_head
+
+    head, target.eagle_head = target.eagle_head, None
+    hx = export_head(head, str(options.draft_head), out, max_positions=target.spec.max_positions,
+                     fused=not options.portable, opset=options.opset,
+                     quantize=options.quantize if "head" in options.quantize_roles else None,
+                     block_size=options.block_size, quantize_embedding=options.quantize_embedding,
+                     validate=options.validate, stages=stages)
+    hx.info["export_peak_rss_bytes"] = max((v for k, v in stages.peak_rss.items() if k.endswith(" head")), default=None)
+    return ExportedModel(role="head", spec=hx.spec, info=hx.info, files=list(hx.sha256), sha256=hx.sha256)
+
+
 def _replace_dir(src: Path, dst: Path) -> None:
     """Move the finished bundle ``src`` to ``dst``, replacing a previous bundle there."""
     old = None
@@ -705,7 +742,8 @@ def _replace_dir(src: Path, dst: Path) -> None:
 def _export_into(out: Path, t_ckpt: Path, d_ckpt: Path | None, t_tok, hashes: dict,
                  options: ExportOptions) -> dict:
     roles = [("target", t_ckpt)] + ([("draft", d_ckpt)] if d_ckpt is not None else [])
-    stages = _Stages((4 if options.validate else 3) * len(roles) + 1, options.progress)
+    models = len(roles) + (options.draft_head is not None)
+    stages = _Stages((4 if options.validate else 3) * models + 1, options.progress)
     try:
         return _export_roles(out, roles, t_tok, hashes, options, stages)
     finally:
@@ -717,7 +755,10 @@ def _export_roles(out: Path, roles: list, t_tok, hashes: dict, options: ExportOp
     exported = {}
     max_ctx = None
     for role, ckpt in roles:
-        em = export_model(ckpt, out, role, options, stages, max_context=max_ctx, tokenizer=t_tok)
+        em = export_model(ckpt, out, role, options, stages, max_context=max_ctx, tokenizer=t_tok,
+                          head_dir=options.draft_head if role == "target" else None)
+        if em.eagle_head is not None:  # right after its target: the head holds the embedding table
+            exported["head"] = _export_head(em, out, options, stages)
         if role == "target":
             max_ctx = em.spec.max_positions
         exported[role] = em
@@ -752,7 +793,7 @@ def _export_roles(out: Path, roles: list, t_tok, hashes: dict, options: ExportOp
         },
         "chat": chat,
         "generation_config": gen_config,
-        "models": {role: em.info for role, em in exported.items()},
+        "models": {role: exported[role].info for role in ("target", "draft", "head") if role in exported},
         "export_seconds": round(time.perf_counter() - t0, 2),
         "stage_seconds": stages.times,
         "stage_peak_rss_bytes": stages.peak_rss,
