@@ -75,7 +75,7 @@ class TrainConfig:
     num_heads: int | None = None
     num_kv_heads: int | None = None
     head_dim: int | None = None
-    init_fc: str = "identity"      # identity (top feature layer passed through) | random
+    init_fc: str = "random"        # random (PyTorch default) | identity (top feature layer passed through)
     seed: int = 0
     bf16: bool = False             # bf16 autocast for the matmuls (fp32 master weights)
     checkpoint_every: int = 200
