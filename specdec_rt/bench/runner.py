@@ -85,7 +85,7 @@ def predicted_speedups(c: float, t_curve: list[float], alphas=(0.6, 0.7, 0.8)) -
     return out
 
 
-def _specs(cfg: BenchConfig, has_draft: bool, min_rows: int = 1) -> list[RunSpec]:
+def _specs(cfg: BenchConfig, has_draft: bool, min_rows: int = 1, has_head: bool = False) -> list[RunSpec]:
     specs = [RunSpec("target-only", None, 0)]
     if min_rows > 1:
         # where exactness pads one-row calls (int4 on x86), target-only decoding on the faster
@@ -96,7 +96,7 @@ def _specs(cfg: BenchConfig, has_draft: bool, min_rows: int = 1) -> list[RunSpec
         # a quiet machine and helps on a loaded one; speedups are over the faster baseline
         specs.append(RunSpec(NO_SPIN, None, 0, overlap=True))
     for drafter in cfg.drafters:
-        if drafter == "model" and not has_draft:
+        if (drafter == "model" and not has_draft) or (drafter == "eagle" and not has_head):
             continue
         for k in cfg.ks:
             specs.append(RunSpec(f"{drafter} K={k}", drafter, k))
@@ -105,13 +105,13 @@ def _specs(cfg: BenchConfig, has_draft: bool, min_rows: int = 1) -> list[RunSpec
         if cfg.overlap and drafter == "model":  # prompt lookup drafts in microseconds: nothing to hide
             for k in cfg.ks + (["auto"] if cfg.auto else []):
                 specs.append(RunSpec(f"{drafter} K={k} overlap", drafter, k, overlap=True))
-        if cfg.tree and drafter == "model":
-            if cfg.auto:  # the shape policy: its own choice of budget, depth and width per step
-                specs.append(RunSpec("model tree auto", drafter, "auto", "tree"))
+        if cfg.tree and drafter in ("model", "eagle"):
+            if cfg.auto:  # the shape policy (model): its own budget, depth and width per step
+                specs.append(RunSpec(f"{drafter} tree auto", drafter, "auto", "tree"))
             for budget in cfg.tree_budgets:  # tree of N nodes vs chain K = N: equal verify width
                 if budget not in cfg.ks:
                     specs.append(RunSpec(f"{drafter} K={budget}", drafter, budget))
-                specs.append(RunSpec(f"model tree N={budget}", drafter, budget, "tree"))
+                specs.append(RunSpec(f"{drafter} tree N={budget}", drafter, budget, "tree"))
     return specs
 
 
@@ -148,7 +148,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     probed_rows = gen.target.min_rows
     if not gen.exact_trees:  # float32 target attention: trees are refused (not token-identical)
         cfg.tree = False
-    specs = [] if cfg.graphs_only else _specs(cfg, gen.draft_engine is not None, probed_rows)
+    specs = [] if cfg.graphs_only else _specs(cfg, gen.draft_engine is not None, probed_rows,
+                                              gen.head is not None)
 
     def run(spec: RunSpec, ids: list[int], **kw) -> tuple[list[int], object]:
         g = gen_overlap if spec.overlap else gen

@@ -21,8 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "lines); default: the reference pair's held-out prompts")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--k", default="1,2,4,8", help="draft lengths to run, comma separated")
-    ap.add_argument("--drafter", default=None, help="drafters, comma separated (default model,prompt_lookup; "
-                    "with --suite edits: model,prompt_lookup,hybrid,suffix,suffix_hybrid)")
+    ap.add_argument("--drafter", default=None, help="drafters, comma separated (default model,prompt_lookup, plus eagle when the bundle "
+                    "has an EAGLE-3 head; with --suite edits: model,prompt_lookup,hybrid,suffix,suffix_hybrid)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--peers", default="",
                     help="transformers,onnxruntime-genai,llama.cpp (optional extras; llama.cpp needs its tools: "
@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             return _batch(args, prompts, argv)
         cfg = BenchConfig(
             bundle=args.bundle, prompts=prompts, max_new_tokens=args.max_new_tokens,
-            ks=[int(k) for k in _csv(args.k)], drafters=_csv(args.drafter), temperature=args.temperature,
+            ks=[int(k) for k in _csv(args.k)], temperature=args.temperature,
+            drafters=_csv(args.drafter) + ([] if args.drafter_given else ["eagle"]),  # eagle: skipped without a head
             peers=_csv(args.peers), repeats=args.repeats, threads=args.threads, tree=not args.no_tree,
             auto=not args.no_auto, peer_cache=args.peer_cache, progress=not args.quiet,
             compare_graphs=args.compare_graphs, graphs_only=args.graphs_only, tree_budgets=[int(b) for b in _csv(args.tree_budgets)],
