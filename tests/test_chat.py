@@ -312,9 +312,11 @@ def test_greedy_config_ignores_its_temperature(chatml_gen):
     greedy = chatml_gen.generate("def f(x):", max_new_tokens=12, temperature=0, ignore_eos=True).token_ids
     assert chatml_gen.generate("def f(x):", max_new_tokens=12, ignore_eos=True).token_ids == greedy
     # an explicit temperature > 0 samples, with the config's top_k
-    a = chatml_gen.generate("def f(x):", max_new_tokens=12, temperature=1.5, seed=3, ignore_eos=True).token_ids
+    # (a fixed K: "auto" picks K from timings, and a seed reproduces sampled tokens only at the same K)
+    a = chatml_gen.generate("def f(x):", max_new_tokens=12, temperature=1.5, seed=3, ignore_eos=True,
+                            num_draft_tokens=3).token_ids
     b = chatml_gen.generate("def f(x):", max_new_tokens=12, temperature=1.5, top_k=5, top_p=1.0, seed=3,
-                            ignore_eos=True).token_ids
+                            ignore_eos=True, num_draft_tokens=3).token_ids
     assert a == b
 
 
