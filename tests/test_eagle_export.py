@@ -249,6 +249,7 @@ def test_features_every_verified_family(name):
     from specdec_rt.export.arch import extract
     from specdec_rt.export.eagle import target_features
     from specdec_rt.export.graph import FEATURE_FAMILIES, GraphOptions, build_model
+    from specdec_rt.runtime.sessions import session_options
 
     model = _tiny(name)
     assert model.config.model_type in FEATURE_FAMILIES
@@ -258,7 +259,8 @@ def test_features_every_verified_family(name):
                       (GraphOptions(fused=False, attention_accumulation="native", feature_layers=(1, 0)), 1e-4),
                       (GraphOptions(dtype="fp16", feature_layers=(1, 0)), 2e-2 * max(1.0, float(np.abs(ref).max())))):
         spec, weights = extract(model, 256)
-        sess = ort.InferenceSession(build_model(spec, weights, opt).SerializeToString(), providers=["CPUExecutionProvider"])
+        sess = ort.InferenceSession(build_model(spec, weights, opt).SerializeToString(), session_options(1),
+                                    providers=["CPUExecutionProvider"])
         kv = np.float16 if opt.dtype == "fp16" else np.float32
         feed = {"input_ids": tokens, "position_ids": np.arange(7)[None], "attention_mask": _mask(7, 0)}
         feed.update({f"past_{k}.{i}": np.zeros((1, 0, spec.num_kv_heads, spec.head_dim), kv)
