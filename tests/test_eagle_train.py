@@ -228,3 +228,27 @@ def test_chat_records_use_the_template(tmp_path):
     text = tok.decode(ids.tolist())
     assert "<|im_start|>user\nhi<|im_end|>" in text and text.endswith("x = 1<|im_end|>\n")
     assert tok.convert_tokens_to_ids("<|im_end|>") in et.special_token_ids(tok)
+
+
+def test_second_stage_on_fixed_windows(target, tmp_path):
+    """init_from starts from a saved head (same shapes/vocabulary, else an error); ``windows``
+    trains on fixed sequences (e.g. the target's own generations) at random offsets."""
+    path, model = target
+    first = _random_head(model, np.arange(320))
+    save_head(first, tmp_path / "stage1")
+    head = et.init_head(model, et.head_config(model, _cfg(), 320), np.arange(320), "random")
+    et.start_from(head, tmp_path / "stage1", 4)
+    for k, v in first.state_dict().items():
+        assert torch.equal(head.state_dict()[k], v), k
+    small = et.init_head(model, et.head_config(model, _cfg(), 64), np.arange(64), "random")
+    with pytest.raises(et.ExportError, match="other shapes"):
+        et.start_from(small, tmp_path / "stage1", 4)
+    windows = np.stack([np.full(30, 7 + r) for r in range(5)]).astype(np.int32)
+    src = et.StreamSource(model, _stream(), _cfg(), LAYERS, torch.arange(320), windows=windows)
+    batch = src.next(np.random.default_rng(0))
+    assert all(len(set(row.tolist())) == 1 and 7 <= row[0] < 12 for row in batch.input_ids)
+    log = et.train_head(path, _stream(), tmp_path / "stage2", _cfg(steps=2, init_from=str(tmp_path / "stage1")),
+                        model=model, windows=windows, progress=False)
+    assert log["args"]["init_from"] == str(tmp_path / "stage1") and len(log["steps"]) == 2
+    with pytest.raises(et.ExportError, match="training windows"):
+        et.StreamSource(model, _stream(), _cfg(), LAYERS, torch.arange(320), windows=windows[:, :10])

@@ -16,7 +16,8 @@ REPO = Path(__file__).resolve().parents[1]
 REF = reference_dir()  # package data: specdec_rt/data/reference
 SHIPPED = ["README.md", "eval_prompts.jsonl"] + [
     f"{role}/{name}" for role in ("target", "draft")
-    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")]
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+] + ["eagle/config.json", "eagle/model.safetensors"]  # the target's EAGLE-3 head (issue 22)
 
 
 @pytest.fixture(scope="module")

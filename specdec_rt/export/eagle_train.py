@@ -83,6 +83,7 @@ class TrainConfig:
     cache_windows: int | None = None  # windows kept in a feature cache (None: all)
     cache_shard: int = 64          # windows per cache shard
     save_dtype: str = "float32"
+    init_from: str | None = None   # start from this head folder's weights (same shapes and vocabulary)
 
     def key(self) -> dict:
         """The fields a resumed run must share with the interrupted one."""
@@ -354,17 +355,28 @@ def ttt_loss(head: EagleHead, batch: Batch, cfg: TrainConfig) -> tuple[torch.Ten
 # batch sources
 
 class StreamSource:
-    """Random windows of the token stream, target features computed per batch."""
+    """Random windows of the token stream (or random rows of fixed ``windows`` [N, >= seq_len],
+    e.g. sequences the target generated, at a random offset), target features computed per batch."""
 
-    def __init__(self, model, stream: np.ndarray, cfg: TrainConfig, layers: tuple[int, ...], draft_ids: torch.Tensor):
-        if len(stream) < cfg.seq_len + 1:
+    def __init__(self, model, stream: np.ndarray, cfg: TrainConfig, layers: tuple[int, ...], draft_ids: torch.Tensor,
+                 windows: np.ndarray | None = None):
+        if windows is not None and (windows.ndim != 2 or windows.shape[1] < cfg.seq_len or not len(windows)):
+            raise ExportError(f"training windows must be [N, >= {cfg.seq_len}] token ids, got {list(windows.shape)}")
+        if windows is None and len(stream) < cfg.seq_len + 1:
             raise ExportError(f"the data has {len(stream)} tokens, fewer than one window of {cfg.seq_len}")
         self.model, self.stream, self.cfg, self.layers, self.draft_ids = model, stream, cfg, layers, draft_ids
+        self.windows = windows
 
     def next(self, rng: np.random.Generator) -> Batch:
         cfg = self.cfg
-        starts = rng.integers(0, len(self.stream) - cfg.seq_len + 1, size=cfg.batch)
-        window = torch.from_numpy(np.stack([self.stream[s:s + cfg.seq_len] for s in starts]).astype(np.int64))
+        if self.windows is not None:
+            rows = rng.integers(0, len(self.windows), size=cfg.batch)
+            offs = rng.integers(0, self.windows.shape[1] - cfg.seq_len + 1, size=cfg.batch)
+            picked = [self.windows[r, o:o + cfg.seq_len] for r, o in zip(rows, offs)]
+        else:
+            starts = rng.integers(0, len(self.stream) - cfg.seq_len + 1, size=cfg.batch)
+            picked = [self.stream[s:s + cfg.seq_len] for s in starts]
+        window = torch.from_numpy(np.stack(picked).astype(np.int64))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
             feats, final = target_forward(self.model, window, self.layers)
             with torch.no_grad():
@@ -506,6 +518,17 @@ def init_head(model, hcfg: EagleConfig, draft_ids: np.ndarray, init_fc: str) -> 
     return head
 
 
+def start_from(head: EagleHead, folder: str | Path, target_layers: int) -> None:
+    """Copy a saved head's weights (a second training stage) into ``head``; shapes, feature layers
+    and draft vocabulary must be the same."""
+    from specdec_rt.export.eagle import load_head
+
+    old = load_head(folder, head.embed_tokens.weight.detach(), target_layers)
+    if old.cfg != head.cfg or not torch.equal(old.d2t, head.d2t):
+        raise ExportError(f"the head in '{folder}' has other shapes, feature layers or draft vocabulary than this run")
+    head.load_state_dict(old.state_dict())
+
+
 def trainable(head: EagleHead) -> list[torch.nn.Parameter]:
     return [p for p in head.parameters() if p.requires_grad]
 
@@ -540,10 +563,13 @@ def train_head(target: str | Path, stream: np.ndarray, out: str | Path, cfg: Tra
                model=None, data_stats: dict | None = None, special_ids: list[int] = (),
                feature_cache: str | Path | None = None, resume: bool = False,
                checkpoint_dir: str | Path | None = None, progress: bool = True,
-               keep_checkpoint: bool = False, extra_log: dict | None = None) -> dict:
+               keep_checkpoint: bool = False, extra_log: dict | None = None,
+               windows: np.ndarray | None = None) -> dict:
     """Train a head for ``target`` on the token ``stream`` and write it to ``out`` (published
     layout + training_log.json). Returns the log. With ``stop_after`` it returns after that step,
-    leaving a checkpoint (``resume=True`` continues it)."""
+    leaving a checkpoint (``resume=True`` continues it). ``windows`` ([N, >= seq_len] ids): train
+    on these fixed sequences instead of random stream windows (the stream still counts the
+    draft vocabulary)."""
     from tqdm import tqdm
 
     t_start = time.time()
@@ -566,7 +592,9 @@ def train_head(target: str | Path, stream: np.ndarray, out: str | Path, cfg: Tra
                "data": _stream_hash(stream), "windows": cfg.cache_windows, "bf16": cfg.bf16,
                "feature_width": len(layers) * mc.hidden_size, "hidden": mc.hidden_size}
         cache = FeatureCache(feature_cache, key)
-        cache.build(model, cache_windows(stream, cfg), layers, cfg.cache_shard, cfg.bf16, progress)
+        fixed = None if windows is None else np.ascontiguousarray(windows[:, :cfg.seq_len]).astype(np.int32)
+        cache.build(model, cache_windows(stream, cfg) if fixed is None else fixed, layers, cfg.cache_shard, cfg.bf16,
+                    progress)
     source_kind = cfg.vocab_source if cfg.vocab_source != "auto" else ("argmax" if cache else "corpus")
     if n_draft >= vocab:
         draft_ids, source_kind = np.arange(vocab, dtype=np.int64), "full"
@@ -582,10 +610,12 @@ def train_head(target: str | Path, stream: np.ndarray, out: str | Path, cfg: Tra
     torch.manual_seed(cfg.seed)
     hcfg = head_config(model, cfg, len(draft_ids))
     head = init_head(model, hcfg, draft_ids, cfg.init_fc)
+    if cfg.init_from:
+        start_from(head, cfg.init_from, mc.num_hidden_layers)
     opt = make_optimizer(head, cfg)
     rng = np.random.default_rng(cfg.seed)
     draft_t = torch.as_tensor(draft_ids)
-    source = cache.source(model, cfg, draft_t) if cache else StreamSource(model, stream, cfg, layers, draft_t)
+    source = cache.source(model, cfg, draft_t) if cache else StreamSource(model, stream, cfg, layers, draft_t, windows)
 
     log: dict = {"target": str(target), "seed": cfg.seed, "args": {**cfg.key(), "feature_layers": list(layers)},
                  "data": {**(data_stats or {}), "stream_tokens": int(len(stream)), "stream_sha256_16": _stream_hash(stream)},
@@ -692,6 +722,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kv-heads", type=int, default=None)
     ap.add_argument("--head-dim", type=int, default=None)
     ap.add_argument("--init-fc", choices=("identity", "random"), default=d.init_fc)
+    ap.add_argument("--init-from", default=None, help="start from this head folder (a second stage)")
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast (CPUs with bf16 support, GPUs)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--feature-cache", default=None, help="folder for cached target features (built once, reused)")

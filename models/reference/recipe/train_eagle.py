@@ -7,6 +7,7 @@ in specdec_rt/export/eagle_train.py (training-time test, soft labels from the ta
 
   python train_eagle.py                  # the shipped head (defaults below)
   python train_eagle.py --steps 40 --out /tmp/trial   # a short trial to size a run
+  python train_eagle.py --init-from DIR --onpolicy ../.cache/onpolicy-target-greedy-s21.npz ...   # stage 2
 """
 import argparse
 import hashlib
@@ -18,7 +19,7 @@ import torch
 
 from common import CACHE, EOT_ID, PAIR, list_files, read_text
 
-DEFAULTS = dict(steps=2000, seq_len=256, batch=8, lr=3e-3, warmup=30, ttt_steps=3, seed=2201)
+DEFAULTS = dict(steps=2000, seq_len=256, batch=8, lr=3e-3, warmup=30, ttt_steps=5, seed=2201)
 
 
 def train_stream(tokenizer_json):
@@ -57,6 +58,10 @@ def main():
     ap.add_argument("--checkpoint-every", type=int, default=100)
     ap.add_argument("--stop-after", type=int, default=None)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--init-from", default=None, help="a head folder to continue from (stage 2)")
+    ap.add_argument("--onpolicy", nargs="+", default=None,
+                    help="train on these distill_onpolicy.py gen files (sequences the target continued) "
+                         "instead of random windows of the corpus")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -65,16 +70,23 @@ def main():
     t0 = time.time()
     stream, stats = train_stream(os.path.join(args.target, "tokenizer.json"))
     stream = stream.astype(np.int32)
+    windows = None
+    if args.onpolicy:
+        windows = np.concatenate([np.load(f)["seqs"] for f in args.onpolicy]).astype(np.int32)
+        args.seq_len = min(args.seq_len, windows.shape[1])
+        stats = {**stats, "onpolicy": [os.path.basename(f) for f in args.onpolicy], "onpolicy_sequences": len(windows),
+                 "onpolicy_tokens": int(windows.size)}
     cfg = TrainConfig(steps=args.steps, seq_len=args.seq_len, batch=args.batch, lr=args.lr, warmup=args.warmup,
                       ttt_steps=args.ttt_steps, seed=args.seed, feature_layers=(1, 3, 5), num_heads=6,
                       num_kv_heads=2, head_dim=64, intermediate_size=args.intermediate_size, draft_vocab=4096,
                       init_fc=args.init_fc, bf16=not args.fp32, checkpoint_every=args.checkpoint_every,
-                      stop_after=args.stop_after, save_dtype="float16")
+                      stop_after=args.stop_after, save_dtype="float16", init_from=args.init_from)
     model = load_target(args.target)
     log = train_head(args.target, stream, args.out, cfg, model=model, special_ids=[EOT_ID], resume=args.resume,
                      checkpoint_dir=os.path.join(CACHE, "eagle-checkpoint", os.path.basename(os.path.abspath(args.out))),
                      data_stats={**stats, "corpus": "CPython stdlib training split (recipe/common.py), held-out excluded"},
-                     extra_log={"recipe": "models/reference/recipe/train_eagle.py", "threads": args.threads})
+                     extra_log={"recipe": "models/reference/recipe/train_eagle.py", "threads": args.threads},
+                     windows=windows)
     if "final" in log:
         print(f"done in {time.time() - t0:.0f} s: {log['final']}", flush=True)
 
