@@ -2,12 +2,19 @@
 
 Same corpus as the pair (the training split of common.list_files(), tokenized with the target's
 tokenizer.json, each file followed by <|endoftext|>; the held-out files are never read), recipe
-in specdec_rt/export/eagle_train.py (training-time test, soft labels from the target, full
-4096-token vocabulary). The target's features are computed on the fly (it is small).
+in specdec_rt/export/eagle_train.py (training-time test over 5 steps, soft labels from the
+target, full 4096-token vocabulary). The target's features are computed on the fly (it is small).
 
-  python train_eagle.py                  # the shipped head (defaults below)
-  python train_eagle.py --steps 40 --out /tmp/trial   # a short trial to size a run
-  python train_eagle.py --init-from DIR --onpolicy ../.cache/onpolicy-target-greedy-s21.npz ...   # stage 2
+The shipped head (models/reference/README.md, "EAGLE-3 head"), from recipe/:
+
+  python train_eagle.py --out /tmp/eagle-stage1                        # stage 1: corpus windows
+  python distill_onpolicy.py gen --mode greedy --n 1024 --seed 21 --threads 2   # target continuations
+  python train_eagle.py --init-from /tmp/eagle-stage1 --onpolicy ../.cache/onpolicy-target-greedy-s21.npz \
+      --steps 400 --lr 1e-3 --warmup 10 --seed 2202 --threads 1        # stage 2 -> $PAIR/eagle
+  python train_eagle.py --steps 40 --out /tmp/trial                    # a short trial to size a run
+
+(distill_onpolicy.py reads ../.cache/tokenizer/tokenizer.json: run train_tokenizer.py or copy the
+target's byte-identical tokenizer.json there.)
 """
 import argparse
 import hashlib
