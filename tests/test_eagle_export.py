@@ -70,7 +70,8 @@ def head_bundle(request, tmp_path_factory):
     head_dir, _ = make_head(target, base / "head")
     out = base / "bundle"
     draft = target if request.param == "qwen2" else None
-    manifest = export_pair(target, draft, out, ExportOptions(progress=False, draft_head=head_dir))
+    # a float head (the default is int4): its graphs are validated against PyTorch below
+    manifest = export_pair(target, draft, out, ExportOptions(progress=False, draft_head=head_dir, head_quantize="none"))
     return {"name": request.param, "target": target, "head": head_dir, "bundle": out, "manifest": manifest}
 
 
@@ -107,7 +108,7 @@ def test_manifest_entries(head_bundle):
                 "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "hidden_size": 64, "vocab_size": 320,
                 "draft_vocab_size": DRAFT_VOCAB, "dtype": "float32", "kv_dtype": "float32",
                 "max_positions": target["max_positions"], "features_dim": 3 * 64, "quantization": None,
-                "opset": 17, "fused_ops": True, "fused_attention": False,
+                "opset": 23, "fused_ops": True, "fused_attention": True,
                 "source": {"format": "eagle3", "path": str(head_bundle["head"])}}
     assert {k: head[k] for k in expected} == expected
     assert head["num_parameters"] > 320 * 64  # the embedding table is in the graph
@@ -175,7 +176,8 @@ def test_head_graphs_match_eagle_step(head_bundle):
     def ort_step(rows, hid, past, start):
         s = hid.shape[1]
         return _run(sess, input_ids=tokens[:, rows], hidden_states=hid, position_ids=np.arange(start, start + s)[None],
-                    attention_mask=_mask(s, past[0].shape[1]), **{"past_key.0": past[0], "past_value.0": past[1]})
+                    attention_mask=_mask(s, past[0].shape[1]), logits_to_keep=np.array([s]),
+                    **{"past_key.0": past[0], "past_value.0": past[1]})
 
     def torch_step(rows, hid, past, start):
         with torch.no_grad():

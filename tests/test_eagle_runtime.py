@@ -54,7 +54,8 @@ def eagle_pair(tmp_path_factory):
     target = make_checkpoint(llama_config(), base / "target", seed=0)
     head, model = _random_head(target, base / "head", draft_vocab=40)
     bundle = base / "bundle"
-    export_pair(target, None, bundle, ExportOptions(progress=False, draft_head=str(base / "head")))
+    # a float head: its proposals are compared with PyTorch's below (the default is int4)
+    export_pair(target, None, bundle, ExportOptions(progress=False, draft_head=str(base / "head"), head_quantize="none"))
     return {"target": target, "bundle": bundle, "head": head, "model": model, "head_dir": base / "head"}
 
 
@@ -72,6 +73,25 @@ def test_eagle_greedy_is_target_only(eagle_gen, k):
         assert spec.stats.drafter == "eagle"
         if k != "auto":
             assert spec.stats.proposed > 0  # it drafted
+
+
+def test_default_head_is_int4_and_exact(eagle_pair, tmp_path):
+    """By default the head is exported int4 with one fused Attention node (cheap proposals); the
+    output stays the target's, chains and trees alike."""
+    import json
+
+    from specdec_rt.export.pipeline import ExportOptions, export_pair
+
+    bundle = tmp_path / "bundle"
+    export_pair(eagle_pair["target"], None, bundle, ExportOptions(progress=False, draft_head=str(eagle_pair["head_dir"])))
+    info = json.loads((bundle / "manifest.json").read_text())["models"]["head"]
+    assert info["quantization"] == "int4" and info["fused_attention"]
+    gen = specdec_rt.load(bundle, threads=1)
+    for prompt in PROMPTS:
+        base = gen.generate(prompt, max_new_tokens=24, drafter=None, ignore_eos=True)
+        for kw in ({"num_draft_tokens": 3}, {"speculation": "tree", "num_draft_tokens": 6}):
+            spec = gen.generate(prompt, max_new_tokens=24, drafter="eagle", ignore_eos=True, **kw)
+            assert spec.token_ids == base.token_ids and spec.stats.proposed > 0
 
 
 @pytest.mark.parametrize("budget", [4, "auto"])

@@ -47,8 +47,12 @@ def run_demo(bundle_dir: Path, args) -> int:
         enable_shared_thread_pool(args.threads)  # before any session: export validation runs on it too
     ref = reference_dir()
     t0 = time.perf_counter()
-    print(f"exporting the reference pair from {ref} to {bundle_dir} ...", flush=True)
-    export_pair(ref / "target", ref / "draft", bundle_dir, ExportOptions(progress=True))
+    head = ref / "eagle"
+    with_head = (head / "config.json").is_file()
+    print(f"exporting the reference pair{' and its EAGLE-3 head' if with_head else ''} from {ref} to {bundle_dir} ...",
+          flush=True)
+    export_pair(ref / "target", ref / "draft", bundle_dir,
+                ExportOptions(progress=True, draft_head=head if with_head else None))
     print(f"export took {time.perf_counter() - t0:.1f} s", flush=True)
 
     gen = specdec_rt.load(bundle_dir, provider=args.provider, threads=args.threads,
@@ -59,33 +63,42 @@ def run_demo(bundle_dir: Path, args) -> int:
     k = args.num_draft_tokens
     n = args.max_new_tokens
     ids = gen.tokenizer.encode(prompt)
-    gen.generate_ids(ids, max_new_tokens=8, drafter=None, temperature=0.0)  # warm up both sessions
-    gen.generate_ids(ids, max_new_tokens=8, num_draft_tokens=4, temperature=0.0)
+    # the draft model, and the head where the bundle has one (overlap drafts with the model only)
+    drafters = ["model"] + (["eagle"] if gen.head is not None and not overlap else [])
+    gen.generate_ids(ids, max_new_tokens=8, drafter=None, temperature=0.0)  # warm up every session
+    for d in drafters:
+        gen.generate_ids(ids, max_new_tokens=8, num_draft_tokens=4, drafter=d, temperature=0.0)
 
-    base_t, spec_t = [], []
-    base_ids = spec_ids = None
-    spec_stats = None
-    for _ in range(3):  # interleaved, so drift on a shared machine hits both alike
+    base_t: list[float] = []
+    spec_t: dict[str, list[float]] = {d: [] for d in drafters}
+    out: dict[str, list[int]] = {}
+    stats = {}
+    for _ in range(3):  # interleaved, so drift on a shared machine hits all alike
         t = time.perf_counter()
         base_ids = gen.generate_ids(ids, max_new_tokens=n, drafter=None, ignore_eos=True, temperature=0.0)
         base_t.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        spec_ids = gen.generate_ids(ids, max_new_tokens=n, num_draft_tokens=k, drafter="model",
-                                    ignore_eos=True, temperature=0.0)
-        spec_t.append(time.perf_counter() - t)
-        spec_stats = gen.last_stats
-    b, s = statistics.median(base_t), statistics.median(spec_t)
+        for d in drafters:
+            t = time.perf_counter()
+            out[d] = gen.generate_ids(ids, max_new_tokens=n, num_draft_tokens=k, drafter=d,
+                                      ignore_eos=True, temperature=0.0)
+            spec_t[d].append(time.perf_counter() - t)
+            stats[d] = gen.last_stats
+    b = statistics.median(base_t)
     print("\n--- prompt ---")
     print(prompt)
     print("--- speculative completion ---")
-    print(gen.tokenizer.decode(spec_ids))
+    print(gen.tokenizer.decode(out["model"]))
     print("---")
-    same = base_ids == spec_ids
-    print(f"identical to target-only greedy: {'yes' if same else 'NO'} ({len(spec_ids)} tokens)")
-    print(f"acceptance rate (K={k}): {spec_stats.acceptance_rate:.1%}; "
-          f"tokens per target call: {spec_stats.tokens_per_target_call:.2f}"
-          + (f"; drafting overlapped, look-ahead kept in {spec_stats.lookahead_hits / spec_stats.target_calls:.0%} "
-             "of steps" if spec_stats.overlap and spec_stats.target_calls else ""))
-    print(f"target-only: {len(base_ids) / b:.1f} tok/s; speculative: {len(spec_ids) / s:.1f} tok/s")
-    print(f"speedup: {b / s:.2f}x (median of 3 interleaved runs)")
+    same = all(out[d] == base_ids for d in drafters)
+    print(f"identical to target-only greedy: {'yes' if same else 'NO'} ({len(base_ids)} tokens, "
+          f"{' and '.join(drafters)} drafter{'s' if len(drafters) > 1 else ''})")
+    print(f"target-only: {len(base_ids) / b:.1f} tok/s")
+    for d in drafters:
+        st, s = stats[d], statistics.median(spec_t[d])
+        label = "draft model" if d == "model" else "EAGLE-3 head"
+        print(f"{label} (drafter={d!r}, K={k}): acceptance rate {st.acceptance_rate:.1%}; tokens per target call: "
+              f"{st.tokens_per_target_call:.2f}"
+              + (f"; drafting overlapped, look-ahead kept in {st.lookahead_hits / st.target_calls:.0%} of steps"
+                 if st.overlap and st.target_calls else ""))
+        print(f"  {len(out[d]) / s:.1f} tok/s, speedup: {b / s:.2f}x (median of 3 interleaved runs)")
     return 0 if same else 1

@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="an EAGLE-3 feature head folder (config.json + model.safetensors or pytorch_model.bin, "
                          "published EAGLE-3 names) trained for --target: the target graph gets a 'features' output "
                          "for the head's layers and the head's graphs go to head/ (with or without --draft)")
+    ap.add_argument("--head-quantize", default="auto", choices=["auto", "int4", "int8", "none"],
+                    help="the --draft-head graphs' weights: auto (default) = int4 unless --quantize is given (then "
+                         "its scheme, or float if --quantize-models leaves out head); the head only proposes, so "
+                         "this never changes the output, and int4 makes a head call ~2-3x cheaper in the loop")
     ap.add_argument("--float-embedding", action="store_true",
                     help="with --quantize: keep the embedding table in the graph dtype (larger, no "
                          "quantization error on the lookup)")
@@ -49,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--portable", action="store_true",
                     help="standard ONNX ops only (no com.microsoft contrib ops), e.g. for TensorRT")
     ap.add_argument("--draft-plain-attention", action="store_true",
-                    help="the draft's attention as decomposed ops (MatMul/Softmax/...) instead of one ONNX "
-                         "Attention node per layer (opset 23, ONNX Runtime >= 1.23); --portable implies it")
+                    help="the draft's (and --draft-head's) attention as decomposed ops (MatMul/Softmax/...) "
+                         "instead of one ONNX Attention node per layer (opset 23, ONNX Runtime >= 1.23); --portable implies it")
     ap.add_argument("--target-attention", default="fp64", choices=["fp64", "native", "fused"],
                     help="fp64 (default): the target sums attention in float64, so tree verification is "
                          "token-identical to target-only decoding; native: float32 sums in plain ops; fused: "
@@ -91,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             validate=not args.no_validate, progress=not args.quiet, quantize_embedding=not args.float_embedding,
             gguf_cache=args.gguf_cache,
             block_size=args.block_size, draft_vocab=args.draft_vocab, draft_head=args.draft_head,
+            head_quantize=args.head_quantize,
         )
         manifest = export_pair(args.target, args.draft, args.out, opts)
         if args.trt:

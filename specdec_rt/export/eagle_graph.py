@@ -5,8 +5,9 @@ norm(hidden)]`` + norm + a reduced LM head) is built op by op with the target bu
 (:class:`HeadGraphBuilder` is a :class:`~specdec_rt.export.graph.GraphBuilder` over a one-layer
 ``ArchSpec``): fused RMSNorm / skip-norm / rotary of ONNX Runtime's contrib domain (or the
 portable decompositions), q/k/v and gate/up packed into single GEMMs, the attention scale folded
-into the query weights, grouped attention without repeating K/V, plain attention with float32
-sums (the head only proposes), MatMulNBits / GatherBlockQuantized with ``quantize``.
+into the query weights, grouped attention without repeating K/V, attention with float32 sums
+(one ONNX Attention node with ``fused_attention``, as drafts; the head only proposes),
+MatMulNBits / GatherBlockQuantized with ``quantize``.
 
 Graph contract (docs/design.md, "EAGLE-3 heads: export"):
 
@@ -15,8 +16,9 @@ Graph contract (docs/design.md, "EAGLE-3 heads: export"):
 - ``head/model.onnx``: inputs ``input_ids`` int64 [B, S], ``hidden_states`` float32 [B, S, H]
   (fc's output at a verified position, a previous ``hidden_out`` at a drafted one),
   ``position_ids`` int64 [B, S], ``attention_mask`` float32 [B, 1, S, P + S] (additive, 0 or
-  -inf), ``past_key.0`` / ``past_value.0`` float32 [B, P, Hkv, D] (sequence-major); outputs
-  ``logits`` float32 [B, S, V] (the target's vocabulary, -inf outside the draft vocabulary:
+  -inf), ``past_key.0`` / ``past_value.0`` float32 [B, P, Hkv, D] (sequence-major),
+  ``logits_to_keep`` int64 [1] (n, 1 <= n <= S: logits for the last n rows only); outputs
+  ``logits`` float32 [B, n, V] (the target's vocabulary, -inf outside the draft vocabulary:
   draft id d lands at target id d + d2t[d]), ``hidden_out`` float32 [B, S, H] (the layer's
   output before the final norm), ``new_key.0`` / ``new_value.0`` [B, S, Hkv, D] (rotated K, V).
 
@@ -36,7 +38,8 @@ from onnx import TensorProto, helper
 
 from specdec_rt.errors import ExportError, ValidationError
 from specdec_rt.export.arch import ArchSpec, LayerWeights, ModelWeights, VocabMatrix
-from specdec_rt.export.graph import MS_DOMAIN, GraphBuilder, GraphOptions, WrittenGraph, write_graph
+from specdec_rt.export.config_files import read_json_config
+from specdec_rt.export.graph import GraphBuilder, GraphOptions, WrittenGraph, write_graph
 
 HEAD_DIR = "head"
 FAMILY = "eagle3"
@@ -53,13 +56,7 @@ def read_head_config(folder) -> dict:
     path = folder / "config.json"
     if not path.is_file():
         raise ExportError(f"'{folder}' is not an EAGLE-3 head folder: config.json is missing")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ExportError(f"{path} is not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ExportError(f"{path} is not a head config (a JSON object)")
-    return data
+    return read_json_config(path, "head config")
 
 
 def check_head_folder(folder, target_checkpoint=None) -> None:
@@ -169,16 +166,6 @@ class HeadGraphBuilder(GraphBuilder):
         super().__init__(spec, weights, options, writer)
         self.extra = extra
 
-    def _model(self, inputs, outputs, name: str):
-        g = self.g
-        graph = helper.make_graph(g.nodes, name, inputs, outputs, g.inits)
-        opsets = [helper.make_opsetid("", g.opset)]
-        if self.opt.fused or g.uses_ms_domain:
-            opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
-        model = helper.make_model(graph, opset_imports=opsets, producer_name="specdec-rt")
-        model.ir_version = 8 if g.opset <= 17 else (9 if g.opset <= 20 else helper.find_min_ir_version_for(opsets[:1]))
-        return model
-
     def build_fc(self):
         """``features`` [B, S, F] -> ``hidden_states`` [B, S, H]."""
         g, fc = self.g, self.extra["fc"]
@@ -186,7 +173,7 @@ class HeadGraphBuilder(GraphBuilder):
         g.nodes[-1].output[0] = "hidden_states"  # the GEMM writes the output (no Identity)
         inputs = [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", "seq", fc.shape[0]])]
         outputs = [helper.make_tensor_value_info("hidden_states", TensorProto.FLOAT, ["batch", "seq", fc.shape[1]])]
-        return self._model(inputs, outputs, "specdec_eagle3_fc")
+        return self.finish("specdec_eagle3_fc", inputs, outputs)
 
     def build(self):
         s, g, w = self.spec, self.g, self.w
@@ -199,9 +186,10 @@ class HeadGraphBuilder(GraphBuilder):
             helper.make_tensor_value_info("attention_mask", TensorProto.FLOAT, ["batch", 1, "seq", "total"]),
             helper.make_tensor_value_info("past_key.0", TensorProto.FLOAT, ["batch", "past", hkv, d]),
             helper.make_tensor_value_info("past_value.0", TensorProto.FLOAT, ["batch", "past", hkv, d]),
+            helper.make_tensor_value_info("logits_to_keep", TensorProto.INT64, [1]),
         ]
         outputs = [
-            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", s.vocab_size]),
+            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "kept", s.vocab_size]),
             helper.make_tensor_value_info("hidden_out", TensorProto.FLOAT, ["batch", "seq", hid]),
             helper.make_tensor_value_info("new_key.0", TensorProto.FLOAT, ["batch", "seq", hkv, d]),
             helper.make_tensor_value_info("new_value.0", TensorProto.FLOAT, ["batch", "seq", hkv, d]),
@@ -220,20 +208,27 @@ class HeadGraphBuilder(GraphBuilder):
         kv_shape = g.shape([0, 0, hkv, d])
         g.op("Reshape", [k, kv_shape], outputs=["new_key.0"])
         g.op("Reshape", [v, kv_shape], outputs=["new_value.0"])
-        k_all = g.op("Concat", ["past_key.0", "new_key.0"], "l0_k_all", axis=1)
-        v_all = g.op("Concat", ["past_value.0", "new_value.0"], "l0_v_all", axis=1)
-        attn = self._attention(q, k_all, v_all, self._mask(None), "l0_attn")
+        if self._fused_attn:  # one ONNX Attention node, as the draft's (the head only proposes)
+            attn = self._fused_attention(q, k, v, 0, self._mask(None), "l0_attn")
+        else:
+            k_all = g.op("Concat", ["past_key.0", "new_key.0"], "l0_k_all", axis=1)
+            v_all = g.op("Concat", ["past_value.0", "new_value.0"], "l0_v_all", axis=1)
+            attn = self._attention(q, k_all, v_all, self._mask(None), "l0_attn")
         attn = self._linear(attn, lw.o_w, None, "l0_o")
         # residual: the hidden input (not the 2H attention input), as eagle.EagleLayer.finish
         normed2, residual = self._norm("hidden_states", attn, lw.ln2_w, None, "l0_ln2")
         mlp = self._mlp(normed2, lw, "l0")
         g.op("Add", [residual, mlp], outputs=["hidden_out"])
-        final, _ = self._norm("hidden_out", None, w.final_norm_w, None, "final_norm")
+        # logits of the last ``logits_to_keep`` rows only (transformers' name): a catch-up over
+        # many verified positions needs its last row's, a tree level all of its rows'
+        kept = g.op("Slice", ["hidden_out", g.op("Neg", ["logits_to_keep"], "keep_from"),
+                              g.shape([np.iinfo(np.int64).max], "keep_end"), g.shape([1], "keep_axis")], "kept_rows")
+        final, _ = self._norm(kept, None, w.final_norm_w, None, "final_norm")
         logits = self._lm_head(final)
         if self.opt.output_ids is not None:
             logits = self._widen_logits(logits)
         g.op("Identity", [logits], outputs=["logits"])
-        return self._model(inputs, outputs, "specdec_eagle3_head")
+        return self.finish("specdec_eagle3_head", inputs, outputs)
 
 
 @dataclass
@@ -245,8 +240,11 @@ class HeadGraphs:
 
 
 def write_head(head, out_dir, *, max_positions: int, fused: bool = True, opset: int = 17,
-               quantize: str | None = None, block_size: int = 32, quantize_embedding: bool = True) -> HeadGraphs:
-    """Write ``out_dir/model.onnx`` and ``out_dir/fc.onnx`` (each with its ``.data`` file)."""
+               quantize: str | None = None, block_size: int = 32, quantize_embedding: bool = True,
+               fused_attention: bool = False) -> HeadGraphs:
+    """Write ``out_dir/model.onnx`` and ``out_dir/fc.onnx`` (each with its ``.data`` file).
+    ``fused_attention``: one ONNX Attention node (opset 23, ONNX Runtime >= 1.23), as drafts have
+    by default: a float32 kernel whose sums group differently, harmless for proposals."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = head_spec(head, max_positions)
@@ -255,7 +253,7 @@ def write_head(head, out_dir, *, max_positions: int, fused: bool = True, opset: 
     identity = len(ids) == spec.vocab_size and bool((ids == np.arange(len(ids))).all())
     options = GraphOptions(dtype="fp32", opset=opset, fused=fused, attention_accumulation="native",
                            quantize=quantize, block_size=block_size, quantize_embedding=quantize_embedding,
-                           output_ids=None if identity else ids)
+                           output_ids=None if identity else ids, fused_attention=fused and fused_attention)
 
     def graph(method: str):
         def build(writer):
@@ -324,7 +322,7 @@ def compare_head(model_path: str, fc_path: str, ref: HeadReference, *, enforce: 
                  prepack: bool = True) -> dict:
     """The head graphs in ONNX Runtime against :func:`head_reference`: fc; prefill (P = 0, S =
     PREFILL); S = VERIFY on P = PREFILL under the causal mask; a one-row decode that must equal
-    row 0 of that call. Tolerance 1e-3 x the scale of each output (max |logit|, max |hidden|,
+    row 0 of that call, and the same call with ``logits_to_keep`` = 1 its last row. Tolerance 1e-3 x the scale of each output (max |logit|, max |hidden|,
     max |K/V|, at least 1); the -inf pattern of the logits must be identical."""
     import onnxruntime as ort
 
@@ -340,14 +338,14 @@ def compare_head(model_path: str, fc_path: str, ref: HeadReference, *, enforce: 
     names = [o.name for o in sess.get_outputs()]
     hkv, d = ref.keys.shape[1:]
 
-    def run(rows: slice, past_k, past_v):
+    def run(rows: slice, past_k, past_v, keep: int | None = None):
         s, p = rows.stop - rows.start, past_k.shape[1]
         allowed = np.ones((s, p + s), dtype=bool)
         allowed[:, p:] = np.tril(np.ones((s, s), dtype=bool))
         feed = {"input_ids": ref.tokens[:, rows], "hidden_states": ref.hidden[:, rows],
                 "position_ids": np.arange(rows.start, rows.stop, dtype=np.int64)[None],
                 "attention_mask": np.where(allowed, 0.0, -np.inf).astype(np.float32)[None, None],
-                "past_key.0": past_k, "past_value.0": past_v}
+                "past_key.0": past_k, "past_value.0": past_v, "logits_to_keep": np.array([keep or s], dtype=np.int64)}
         return dict(zip(names, sess.run(None, feed)))
 
     n = PREFILL + VERIFY
@@ -364,8 +362,10 @@ def compare_head(model_path: str, fc_path: str, ref: HeadReference, *, enforce: 
                        "hidden_out": float(np.abs(out["hidden_out"][0] - ref.hidden_out[rows]).max()),
                        "kv": max(float(np.abs(out["new_key.0"][0] - ref.keys[rows]).max()),
                                  float(np.abs(out["new_value.0"][0] - ref.values[rows]).max()))}
+    last = run(slice(PREFILL, n), a["new_key.0"], a["new_value.0"], keep=1)  # logits of the last row only
     decode_vs_verify = max(_logit_error(c["logits"][0], b["logits"][0, :1]),
-                           float(np.abs(c["hidden_out"][0] - b["hidden_out"][0, :1]).max()))
+                           float(np.abs(c["hidden_out"][0] - b["hidden_out"][0, :1]).max()),
+                           _logit_error(last["logits"][0], b["logits"][0, -1:]))
     finite = ref.logits[~np.isneginf(ref.logits)]
     scale = {"logits": max(1.0, float(np.abs(finite).max())),
              "hidden_out": max(1.0, float(np.abs(ref.hidden_out).max())),
@@ -404,7 +404,7 @@ class HeadExport:
 
 def export_head(head, source: str, out_dir, *, max_positions: int, fused: bool = True, opset: int = 17,
                 quantize: str | None = None, block_size: int = 32, quantize_embedding: bool = True,
-                validate: bool = True, stages=None) -> HeadExport:
+                fused_attention: bool = False, validate: bool = True, stages=None) -> HeadExport:
     """Reference (PyTorch), graphs, validation of one loaded head into ``out_dir/head/``; the
     torch head is dropped once the graphs are written. ``stages``: the pipeline's progress."""
     out_dir = Path(out_dir)
@@ -425,7 +425,8 @@ def export_head(head, source: str, out_dir, *, max_positions: int, fused: bool =
         done()
     stage("build head")
     graphs = write_head(head, out_dir / HEAD_DIR, max_positions=max_positions, fused=fused, opset=opset,
-                        quantize=quantize, block_size=block_size, quantize_embedding=quantize_embedding)
+                        quantize=quantize, block_size=block_size, quantize_embedding=quantize_embedding,
+                        fused_attention=fused_attention)
     del head
     gc.collect()
     done()
@@ -459,7 +460,7 @@ def export_head(head, source: str, out_dir, *, max_positions: int, fused: bool =
         "quant_block_size": block_size if quantize else None,
         "opset": graphs.model.opset,
         "fused_ops": fused,
-        "fused_attention": False,
+        "fused_attention": graphs.options.fused_attention,
         "num_parameters": sum(w.num_params for w in written),
         "num_nodes": graphs.model.num_nodes + graphs.fc.num_nodes,
         "size_bytes": sum(w.size_bytes for w in written),

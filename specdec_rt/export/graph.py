@@ -657,7 +657,13 @@ class GraphBuilder:
         if self.opt.feature_layers is not None:
             outputs.append(self._features(layer_out))
 
-        graph = helper.make_graph(g.nodes, f"specdec_{s.family}", inputs, outputs, g.inits)
+        return self.finish(f"specdec_{s.family}", inputs, outputs)
+
+    def finish(self, name: str, inputs: list, outputs: list):
+        """The ModelProto of what was emitted: opsets (the contrib domain when used) and the IR
+        version ONNX Runtime reads for that opset."""
+        g = self.g
+        graph = helper.make_graph(g.nodes, name, inputs, outputs, g.inits)
         opsets = [helper.make_opsetid("", g.opset)]
         if self.opt.fused or g.uses_ms_domain:
             opsets.append(helper.make_opsetid(MS_DOMAIN, 1))

@@ -8,7 +8,7 @@ import numpy as np
 
 from specdec_rt.runtime.engine import OrtEngine
 from specdec_rt.runtime.rows import DraftReport, StepReport
-from specdec_rt.runtime.sampling import probabilities, sample
+from specdec_rt.runtime.sampling import draft_token
 
 if TYPE_CHECKING:
     from specdec_rt.runtime.rows import Row
@@ -198,15 +198,12 @@ class ModelDrafter:
             for i, x in zip(live, logits):
                 row = rows[i]
                 params = row.cfg.params
-                if params.greedy:
-                    tok = int(np.argmax(x))
-                    if floor:
-                        confidence[i] /= float(np.exp(x - x[tok]).sum())
-                else:
-                    q = probabilities(x[None, :], params)[0]
-                    tok = sample(q, row.rng)
+                tok, q = draft_token(x, params, row.rng)
+                if q is not None:
                     qs[i].append(q)
                     confidence[i] *= float(q.max())
+                elif floor:
+                    confidence[i] /= float(np.exp(x - x[tok]).sum())
                 drafts[i].append(tok)
                 pending[i] = [tok]
                 k = min(ks[i], self.engine.max_len - len(row.tokens))

@@ -24,7 +24,7 @@ import numpy as np
 
 from specdec_rt.errors import GenerationInputError
 from specdec_rt.runtime.rows import DraftReport, StepReport
-from specdec_rt.runtime.sampling import probabilities, sample
+from specdec_rt.runtime.sampling import draft_token
 
 if TYPE_CHECKING:
     from specdec_rt.runtime.bundle import Bundle
@@ -53,6 +53,8 @@ class EagleDrafter:
         self.context = context
         if "hidden_out" not in head.extra_outputs:
             head.extra_outputs.append("hidden_out")
+        # heads exported since logits_to_keep exist compute the LM head for the rows asked for only
+        self._keep = "logits_to_keep" in {i.name for i in head.session.get_inputs()}
         n = getattr(head, "max_batch", 1)
         self._done = [0] * n  # per sequence: target positions the head has read (its cache: the last ones)
         self._last: list[tuple[np.ndarray, np.ndarray] | None] = [None] * n  # last committed row's (logits, hidden)
@@ -71,16 +73,25 @@ class EagleDrafter:
         self._done[seq] = 0
         self._last[seq] = None
 
+    def _inputs(self, hidden: np.ndarray, keep: int) -> dict[str, np.ndarray]:
+        """The head's inputs beyond the contract: ``hidden_states`` [1, S, H] and, where the graph
+        has it, ``logits_to_keep`` (LM head rows: the last ``keep``)."""
+        inputs = {"hidden_states": np.ascontiguousarray(hidden[None], dtype=np.float32)}
+        if self._keep:
+            inputs["logits_to_keep"] = np.array([keep], dtype=np.int64)
+        return inputs
+
     def _rows(self, ids: list[int], positions: np.ndarray, hidden: np.ndarray, seq: int) -> tuple[np.ndarray, np.ndarray]:
-        """Run rows at the head's next slots (causal over its cache); returns (logits, hidden_out)."""
+        """Run rows at the head's next slots (causal over its cache); returns (the last row's
+        logits, hidden_out of every row)."""
         head = self.head
         p = head.lengths[seq]
         mask = np.zeros((len(ids), p + len(ids)), dtype=np.float32)
         mask[:, p:] = np.triu(np.full((len(ids), len(ids)), -np.inf, dtype=np.float32), 1)
-        head.call_inputs = {"hidden_states": np.ascontiguousarray(hidden[None], dtype=np.float32)}
+        head.call_inputs = self._inputs(hidden, 1)
         logits = head.forward(np.asarray(ids, dtype=np.int64), positions, mask, seq)
         self.calls += 1
-        return logits, head.outputs["hidden_out"]
+        return logits[-1], head.outputs["hidden_out"]
 
     def catch_up(self, tokens: list[int], seq: int) -> tuple[np.ndarray, np.ndarray]:
         """Feed the head every position the target committed since the last proposal; returns
@@ -98,7 +109,7 @@ class EagleDrafter:
             logits, out = self._rows(tokens[done + 1:avail + 1], np.arange(done, avail, dtype=np.int64), hidden, seq)
             self.head.commit(avail - done, seq)
             self._done[seq] = avail
-            self._last[seq] = (logits[-1].copy(), out[-1].copy())
+            self._last[seq] = (logits.copy(), out[-1].copy())
         last = self._last[seq]
         assert last is not None  # the prompt leaves at least one position to catch up on
         return last
@@ -124,18 +135,15 @@ class EagleDrafter:
             drafts: list[int] = []
             qs: list[np.ndarray] = []
             while True:
-                if params.greedy:
-                    tok = int(np.argmax(logits))
-                else:
-                    q = probabilities(logits[None, :], params)[0]
-                    tok = sample(q, row.rng)
+                tok, q = draft_token(logits, params, row.rng)
+                if q is not None:
                     qs.append(q)
                 drafts.append(tok)
                 if len(drafts) == k:
                     break
-                x, h = self._rows([tok], np.array([pos], dtype=np.int64), hidden[None], seq)
+                logits, h = self._rows([tok], np.array([pos], dtype=np.int64), hidden[None], seq)
                 self.head.commit(1, seq)
-                logits, hidden = x[-1], h[-1]
+                hidden = h[-1]
                 pos += 1
             self.head.rollback(base, seq)  # drafted rows: recomputed from the target's features once verified
             out.append((drafts, np.stack(qs) if qs else None))
@@ -155,7 +163,7 @@ class EagleDrafter:
                    seq: int = 0) -> tuple[np.ndarray, list]:
         """One tree level: each node's row reads its parent's hidden output and its own token."""
         head = self.head
-        head.call_inputs = {"hidden_states": np.stack(states)[None].astype(np.float32, copy=False)}
+        head.call_inputs = self._inputs(np.stack(states), len(ids))
         logits = head.forward(np.asarray(ids, dtype=np.int64), positions, mask, seq)
         out = head.outputs["hidden_out"]
         head.commit(len(ids), seq)
@@ -205,12 +213,15 @@ class EagleHead:
         hidden = np.zeros((1, 1, eng.info.hidden_size), dtype=np.float32)
         past = max(0, min(past, eng.max_len - 2))
         eng.reset(0)
+        keep = "logits_to_keep" in {i.name for i in eng.session.get_inputs()}
         if past:
             eng.call_inputs = {"hidden_states": np.zeros((1, past, eng.info.hidden_size), dtype=np.float32)}
+            if keep:
+                eng.call_inputs["logits_to_keep"] = np.array([1], dtype=np.int64)
             pos = np.arange(past, dtype=np.int64)
             eng.forward(np.zeros(past, dtype=np.int64), pos, np.zeros((past, past), dtype=np.float32))
             eng.commit(past)
-        eng.call_inputs = {"hidden_states": hidden}
+        eng.call_inputs = {"hidden_states": hidden, **({"logits_to_keep": np.array([1], dtype=np.int64)} if keep else {})}
         ids, pos, mask = np.zeros(1, dtype=np.int64), np.array([past]), np.zeros((1, past + 1), dtype=np.float32)
         best = float("inf")
         for _ in range(reps):

@@ -111,8 +111,8 @@ class OrtEngine(BatchCalls, EngineBase):
         self.batch_calls = True
         self.batch_warning: str | None = None  # set by probe_batch_invariance, said once
         # graph inputs and outputs beyond the contract (EAGLE-3, issue 22): ``call_inputs`` are fed
-        # to every call (a head's ``hidden_states``, set by its drafter before each call; one
-        # sequence per call), ``extra_outputs`` fetched into ``outputs`` (rows of the last call);
+        # to every call (a head's ``hidden_states`` and ``logits_to_keep``, set by its drafter before
+        # each call; one sequence per call), ``extra_outputs`` fetched into ``outputs`` (rows of the last call);
         # ``features`` ([max_batch, max_len + 1, F], see enable_features) keeps the target's
         # per-position ``features`` output at the slots its K/V take, committed and compacted alike
         self.call_inputs: dict[str, np.ndarray] = {}
@@ -156,11 +156,13 @@ class OrtEngine(BatchCalls, EngineBase):
             b.bind_input(pv, dev, 0, elem, past_shape, cache.value_ptr(layer, 0, seq))
             b.bind_output(nk, dev, 0, elem, new_shape, cache.key_ptr(layer, p, seq))
             b.bind_output(nv, dev, 0, elem, new_shape, cache.value_ptr(layer, p, seq))
-        if self._logits.shape[1] < s:  # rows of the widest call so far (prefill chunks, trees)
-            self._logits = np.zeros((1, max(s, 2 * self._logits.shape[1]), self.vocab_size), dtype=np.float32)
-        b.bind_output("logits", "cpu", 0, np.float32, [1, s, self.vocab_size], self._logits.ctypes.data)
+        keep = self.call_inputs.get("logits_to_keep")  # a head's: logits of the last rows only
+        rows = s if keep is None else int(keep[0])
+        if self._logits.shape[1] < rows:  # rows of the widest call so far (prefill chunks, trees)
+            self._logits = np.zeros((1, max(rows, 2 * self._logits.shape[1]), self.vocab_size), dtype=np.float32)
+        b.bind_output("logits", "cpu", 0, np.float32, [1, rows, self.vocab_size], self._logits.ctypes.data)
         for name, value in self.call_inputs.items():
-            b.bind_cpu_input(name, np.ascontiguousarray(value, dtype=np.float32))
+            b.bind_cpu_input(name, np.ascontiguousarray(value))
         for name in self.extra_outputs:
             if name == "features" and self.features is not None:
                 f = self.features
@@ -175,7 +177,7 @@ class OrtEngine(BatchCalls, EngineBase):
             values = b.get_outputs()[-len(self.extra_outputs):]
             self.outputs = {n: (self.features[seq, p:p + s] if n == "features" and self.features is not None
                                 else v.numpy()[0]) for n, v in zip(self.extra_outputs, values)}
-        return self._logits[0, :s]
+        return self._logits[0, :rows]
 
     def _forward_padded(self, input_ids: np.ndarray, positions: np.ndarray, mask: np.ndarray,
                         seq: int) -> np.ndarray:

@@ -78,6 +78,16 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     return min(idx, len(probs) - 1)
 
 
+def draft_token(logits: np.ndarray, params: SamplingParams,
+                rng: np.random.Generator) -> tuple[int, np.ndarray | None]:
+    """A drafter's pick from one row of its logits: the argmax when greedy, else a sample from
+    its distribution, returned too (the q the sampled verification needs)."""
+    if params.greedy:
+        return int(np.argmax(logits)), None
+    q = probabilities(logits[None, :], params)[0]
+    return sample(q, rng), q
+
+
 def accept_chain_sampled(p: np.ndarray, q: np.ndarray | None, drafts: list[int],
                          rng: np.random.Generator) -> tuple[int, int]:
     """Speculative sampling over a chain.
