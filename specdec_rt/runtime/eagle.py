@@ -33,9 +33,24 @@ if TYPE_CHECKING:
 
 # The most positions a catch-up runs: a longer gap (the prompt, or a long stretch decoded without
 # drafting) restarts the head's sequence on the last HEAD_CONTEXT positions. Every catch-up row
-# pays the head's LM head (the graph computes logits for every row), so a 2k-token prompt would
-# cost the head more than a target step; the head's proposals only need recent context.
+# pays the head's layer (and, in heads exported before ``logits_to_keep``, its LM head), so a
+# 2k-token prompt would cost the head more than a target step; its proposals need recent context.
 HEAD_CONTEXT = 64
+
+
+def head_inputs(hidden: np.ndarray, keep: int | None) -> dict[str, np.ndarray]:
+    """A head call's inputs beyond the engine's contract: ``hidden_states`` [1, S, H] (from
+    ``hidden`` [S, H]) and, for graphs that have it (``keep`` not None), ``logits_to_keep``: the LM
+    head runs on the last ``keep`` rows only."""
+    inputs = {"hidden_states": np.ascontiguousarray(hidden[None], dtype=np.float32)}
+    if keep is not None:
+        inputs["logits_to_keep"] = np.array([keep], dtype=np.int64)
+    return inputs
+
+
+def keeps_logits(engine: OrtEngine) -> bool:
+    """Whether the head graph has the ``logits_to_keep`` input (exported since it exists)."""
+    return "logits_to_keep" in {i.name for i in engine.session.get_inputs()}
 
 
 class EagleDrafter:
@@ -53,8 +68,7 @@ class EagleDrafter:
         self.context = context
         if "hidden_out" not in head.extra_outputs:
             head.extra_outputs.append("hidden_out")
-        # heads exported since logits_to_keep exist compute the LM head for the rows asked for only
-        self._keep = "logits_to_keep" in {i.name for i in head.session.get_inputs()}
+        self._keep = keeps_logits(head)
         n = getattr(head, "max_batch", 1)
         self._done = [0] * n  # per sequence: target positions the head has read (its cache: the last ones)
         self._last: list[tuple[np.ndarray, np.ndarray] | None] = [None] * n  # last committed row's (logits, hidden)
@@ -74,12 +88,7 @@ class EagleDrafter:
         self._last[seq] = None
 
     def _inputs(self, hidden: np.ndarray, keep: int) -> dict[str, np.ndarray]:
-        """The head's inputs beyond the contract: ``hidden_states`` [1, S, H] and, where the graph
-        has it, ``logits_to_keep`` (LM head rows: the last ``keep``)."""
-        inputs = {"hidden_states": np.ascontiguousarray(hidden[None], dtype=np.float32)}
-        if self._keep:
-            inputs["logits_to_keep"] = np.array([keep], dtype=np.int64)
-        return inputs
+        return head_inputs(hidden, keep if self._keep else None)
 
     def _rows(self, ids: list[int], positions: np.ndarray, hidden: np.ndarray, seq: int) -> tuple[np.ndarray, np.ndarray]:
         """Run rows at the head's next slots (causal over its cache); returns (the last row's
@@ -210,18 +219,16 @@ class EagleHead:
         the drafting cost "auto" prices an eagle step with (its catch-up call is learned in the
         loop as the first call's share)."""
         eng = self.engine
-        hidden = np.zeros((1, 1, eng.info.hidden_size), dtype=np.float32)
+        hidden = np.zeros((1, eng.info.hidden_size), dtype=np.float32)
         past = max(0, min(past, eng.max_len - 2))
         eng.reset(0)
-        keep = "logits_to_keep" in {i.name for i in eng.session.get_inputs()}
+        keep = 1 if keeps_logits(eng) else None
         if past:
-            eng.call_inputs = {"hidden_states": np.zeros((1, past, eng.info.hidden_size), dtype=np.float32)}
-            if keep:
-                eng.call_inputs["logits_to_keep"] = np.array([1], dtype=np.int64)
+            eng.call_inputs = head_inputs(np.zeros((past, eng.info.hidden_size), dtype=np.float32), keep)
             pos = np.arange(past, dtype=np.int64)
             eng.forward(np.zeros(past, dtype=np.int64), pos, np.zeros((past, past), dtype=np.float32))
             eng.commit(past)
-        eng.call_inputs = {"hidden_states": hidden, **({"logits_to_keep": np.array([1], dtype=np.int64)} if keep else {})}
+        eng.call_inputs = head_inputs(hidden, keep)
         ids, pos, mask = np.zeros(1, dtype=np.int64), np.array([past]), np.zeros((1, past + 1), dtype=np.float32)
         best = float("inf")
         for _ in range(reps):
