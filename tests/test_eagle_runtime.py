@@ -230,3 +230,27 @@ def test_eagle_sampling_follows_the_target_distribution(tiny_vocab_pair, tmp_pat
         proposed += gen.last_stats.proposed
         rejected += gen.last_stats.proposed - gen.last_stats.accepted
     assert_follows_joint(counts, joint, proposed, rejected)
+
+
+def test_server_auto_drafter_is_the_cheaper_one(eagle_pair, eagle_gen, tiny_gen, tmp_path):
+    """``specdec-serve --drafter auto``: the head or the draft model, whichever step measured
+    cheaper; the only one a bundle has; none without either."""
+    from specdec_rt.export.pipeline import ExportOptions, export_pair
+    from specdec_rt.serving import ServerConfig
+    from specdec_rt.serving.app import SpecdecAPI
+
+    assert eagle_gen.policies.cheaper_drafter() == "eagle"  # a head, no draft model
+    assert tiny_gen.policies.cheaper_drafter() == "model"  # a draft model, no head
+    bundle = tmp_path / "both"
+    target = eagle_pair["target"]
+    export_pair(target, target, bundle, ExportOptions(progress=False, draft_head=str(eagle_pair["head_dir"])))
+    gen = specdec_rt.load(bundle, threads=1)
+    store = gen.policies
+    measured = store.cheaper_drafter()
+    assert store.head_step is not None and store.head_step > 0 and store.cost_model.draft_step > 0
+    assert measured == ("eagle" if store.head_step <= store.cost_model.draft_step else "model")
+    store.head_step = store.cost_model.draft_step * 2  # a head dearer than the draft model
+    api = SpecdecAPI(gen, ServerConfig(model_name="both"))
+    assert api.defaults["drafter"] == "model"
+    store.head_step = store.cost_model.draft_step / 2
+    assert SpecdecAPI(gen, ServerConfig(model_name="both")).defaults["drafter"] == "eagle"

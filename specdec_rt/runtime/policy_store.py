@@ -64,6 +64,21 @@ class PolicyStore:
         policy.set_cost(cost)  # possibly with more widths than when the policy was made
         return policy
 
+    def cheaper_drafter(self) -> str | None:
+        """Of the bundle's draft model and EAGLE-3 head, the one whose drafted token costs less
+        (measured on this machine; None when it has neither): the server's ``--drafter auto``.
+        Acceptance is unknown before requests arrive and a head trained for its target usually
+        agrees with it at least as well as a separate draft, so the step decides: measured, the
+        reference pair's 2-layer draft (0.10 ms) beats its head (0.13 ms; 1.99x vs 1.81x end to
+        end), while beside Qwen2.5-Coder-1.5B a head step is 3.2 ms against the 0.5B draft's 20.5."""
+        if self.head is None:
+            return "model" if self.draft is not None else None
+        if self.draft is None:
+            return "eagle"
+        if self.head_step is None:
+            self.head_step = self.head.measure_step(clock=self.clock)
+        return "eagle" if self.head_step <= self.measured(self.draft).draft_step else "model"
+
     def tree(self) -> TreePolicy:
         """The tree policy: the cost model (as for "auto" chains) plus the draft's cost for calls
         of 1..8 rows, measured once; estimates kept across generations."""

@@ -49,7 +49,7 @@ class ServerConfig:
 
     model_name: str = "specdec"
     num_draft_tokens: int | str = "auto"
-    drafter: str | None = "auto"  # "auto": "eagle" with a head, "model" with a draft, else None
+    drafter: str | None = "auto"  # "auto": the cheaper of head and draft model (PolicyStore.cheaper_drafter)
     speculation: str = "chain"
     max_queue: int = 64
     max_batch: int | None = None  # rows decoding at once; None: the generator's max_batch (1 = serial)
@@ -135,9 +135,8 @@ class SpecdecAPI:
         self.context = generator.max_length
         self.max_tokens_limit = config.max_tokens_limit or self.context
         drafter = config.drafter
-        if drafter == "auto":  # the bundle's EAGLE-3 head, else its draft model, else target-only
-            drafter = ("eagle" if getattr(generator, "head", None) is not None
-                       else "model" if generator.draft_engine is not None else None)
+        if drafter == "auto":  # the cheaper of the bundle's head and draft model, else target-only
+            drafter = generator.policies.cheaper_drafter()
         self.defaults = {"num_draft_tokens": config.num_draft_tokens, "drafter": None if drafter == "none" else drafter,
                          "speculation": config.speculation}
         self.created = int(time.time())

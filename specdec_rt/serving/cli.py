@@ -81,8 +81,8 @@ def build_parser(prog: str = "specdec-serve") -> argparse.ArgumentParser:
     g.add_argument("--num-draft-tokens", type=_k, default="auto", help="0..64 or auto (default auto)")
     g.add_argument("--drafter", default="auto",
                    choices=("auto", "model", "prompt_lookup", "hybrid", "suffix", "suffix_hybrid", "eagle", "none"),
-                   help="auto: the EAGLE-3 head when the bundle has one, else the draft model when it has one, else "
-                        "none; eagle: the head (specdec-export --draft-head); hybrid: prompt lookup where "
+                   help="auto: the bundle's EAGLE-3 head or draft model, whichever drafts a token for less on this "
+                        "machine (measured at start), else none; eagle: the head (specdec-export --draft-head); hybrid: prompt lookup where "
                         "it matches, else the draft model (the fastest on real instruct pairs, docs/real-checkpoints.md); "
                         "suffix: suffix-tree drafting over the request (and the --suffix-pool); suffix_hybrid: suffix "
                         "where its match is strong, else the draft model")
