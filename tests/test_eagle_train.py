@@ -214,6 +214,13 @@ def test_cli_text_and_jsonl(target, tmp_path):
         assert f.get_tensor("fc.weight").dtype == torch.float16
         assert "embed_tokens.weight" not in f.keys()
     assert et.main(["--target", str(path), "--data", str(tmp_path / "missing"), "--out", str(tmp_path / "x")]) == 2
+    # --device: cpu by default; a device this torch cannot use is one line, before anything loads
+    assert et.main(["--target", str(path), "--data", str(tmp_path / "d"), "--out", str(tmp_path / "y"),
+                    "--device", "tpu"]) == 2
+    if not torch.cuda.is_available():
+        with pytest.raises(et.ExportError, match="no CUDA device"):
+            et.resolve_device("cuda")
+    assert et.resolve_device("cpu") == torch.device("cpu")
 
 
 def test_chat_records_use_the_template(tmp_path):

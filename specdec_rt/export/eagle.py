@@ -136,7 +136,7 @@ class RMSNorm(nn.Module):
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin ``[..., head_dim]`` for integer ``positions`` (rotate-half layout, as Llama)."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
     freqs = positions.to(torch.float32)[..., None] * inv
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
@@ -221,7 +221,7 @@ class EagleHead(nn.Module):
 
     def draft_ids(self) -> torch.Tensor:
         """Target id of every draft-vocabulary slot."""
-        return torch.arange(self.cfg.draft_vocab_size) + self.d2t
+        return torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     def logits(self, hidden_out: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of the layer's output rows."""
@@ -230,7 +230,8 @@ class EagleHead(nn.Module):
     def target_logits(self, hidden_out: torch.Tensor) -> torch.Tensor:
         """Logits over the target vocabulary: -inf outside the draft vocabulary."""
         small = self.logits(hidden_out)
-        full = torch.full((*small.shape[:-1], self.cfg.vocab_size), float("-inf"), dtype=small.dtype)
+        full = torch.full((*small.shape[:-1], self.cfg.vocab_size), float("-inf"), dtype=small.dtype,
+                          device=small.device)
         full[..., self.draft_ids()] = small
         return full
 
@@ -247,7 +248,7 @@ class EagleHead(nn.Module):
         values = v if past is None else torch.cat([past[1], v], dim=2)
         if mask is None:
             s, t = q.shape[2], keys.shape[2]
-            mask = torch.full((s, t), float("-inf")).triu(t - s + 1)[None, None]
+            mask = torch.full((s, t), float("-inf"), device=q.device).triu(t - s + 1)[None, None]
         out = layer.finish(hidden, q, keys, values, mask)
         return self.target_logits(out), out, (k, v)
 
@@ -316,7 +317,7 @@ def save_head(head: EagleHead, folder: str | Path, dtype: torch.dtype = torch.fl
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous()
+    state = {k: (v.detach().to("cpu", dtype) if v.is_floating_point() else v.detach().cpu()).contiguous()
              for k, v in head.state_dict().items() if k != "embed_tokens.weight"}
     save_file(state, str(folder / HEAD_WEIGHTS))
     (folder / HEAD_CONFIG).write_text(json.dumps(head.cfg.to_json(), indent=2) + "\n")

@@ -78,6 +78,7 @@ class TrainConfig:
     init_fc: str = "random"        # random (PyTorch default) | identity (top feature layer passed through)
     seed: int = 0
     bf16: bool = False             # bf16 autocast for the matmuls (fp32 master weights)
+    device: str = "cpu"            # torch device of the target and the head ("cuda", "cuda:1", ...)
     checkpoint_every: int = 200
     stop_after: int | None = None  # leave after this step (with a checkpoint) to resume later
     cache_windows: int | None = None  # windows kept in a feature cache (None: all)
@@ -87,7 +88,7 @@ class TrainConfig:
 
     def key(self) -> dict:
         """The fields a resumed run must share with the interrupted one."""
-        skip = {"stop_after", "checkpoint_every"}
+        skip = {"stop_after", "checkpoint_every", "device"}  # a run may resume elsewhere
         return {k: v for k, v in asdict(self).items() if k not in skip}
 
 
@@ -111,6 +112,11 @@ def load_target(path: str | Path):
     for p in model.parameters():
         p.requires_grad_(False)
     return model
+
+
+def model_device(model) -> torch.device:
+    """Where the target's weights are (the training device)."""
+    return next(model.parameters()).device
 
 
 def target_rope_theta(config) -> float:
@@ -291,6 +297,30 @@ class Batch:
     argmax: torch.Tensor      # [B, S]      the target's greedy token at position i + 1
 
 
+def batch_to(batch: Batch, device: torch.device) -> Batch:
+    """The batch's tensors on ``device`` (the head's)."""
+    return Batch(*(t.to(device, non_blocking=True) for t in (batch.features, batch.input_ids, batch.labels, batch.argmax)))
+
+
+def autocast(device: torch.device, enabled: bool):
+    """bf16 autocast for the matmuls on ``device``'s kind (cpu / cuda)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+def resolve_device(name: str) -> torch.device:
+    """``name`` as a torch device; one line when this torch cannot use it."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ExportError(f"--device {name!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ExportError(f"--device {name}: this torch ({torch.__version__}) sees no CUDA device "
+                          "(install a CUDA build of torch on a machine with an NVIDIA GPU, or train on cpu)")
+    if device.type not in ("cpu", "cuda"):
+        raise ExportError(f"--device {name}: only cpu and cuda are supported")
+    return device
+
+
 def rows_of(window: torch.Tensor, features: torch.Tensor, labels: torch.Tensor, argmax: torch.Tensor) -> Batch:
     """Window tokens x_0..x_{L-1} with per-position signals -> the L - 1 head rows."""
     return Batch(features[:, :-1], window[:, 1:], labels[:, 1:], argmax[:, 1:])
@@ -299,14 +329,14 @@ def rows_of(window: torch.Tensor, features: torch.Tensor, labels: torch.Tensor, 
 # --------------------------------------------------------------------------------------------
 # training-time test
 
-def ttt_mask(s: int, step: int) -> torch.Tensor:
+def ttt_mask(s: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Additive mask [1, 1, S, (step + 1) * S] of the step-``step`` rows over the keys of steps
     0..step (concatenated): row ``i`` sees step-0 keys ``<= i - step`` and the step-``k`` key at
     ``i - step + k`` (k = 1..step)."""
-    i = torch.arange(s)[:, None]
-    c = torch.arange(s)[None, :]
+    i = torch.arange(s, device=device)[:, None]
+    c = torch.arange(s, device=device)[None, :]
     allowed = torch.cat([c <= i - step] + [c == i - step + k for k in range(1, step + 1)], dim=1)
-    return torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))[None, None]
+    return torch.zeros(allowed.shape, device=device).masked_fill(~allowed, float("-inf"))[None, None]
 
 
 def unrolled_forward(head: EagleHead, features: torch.Tensor, input_ids: torch.Tensor,
@@ -316,7 +346,7 @@ def unrolled_forward(head: EagleHead, features: torch.Tensor, input_ids: torch.T
     b, s, _ = features.shape
     layer = head.midlayer
     emb = head.embed_tokens(input_ids)
-    positions = torch.arange(s).expand(b, s)
+    positions = torch.arange(s, device=features.device).expand(b, s)
     hidden = head.fc(features)
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
@@ -328,7 +358,7 @@ def unrolled_forward(head: EagleHead, features: torch.Tensor, input_ids: torch.T
         q, k, v = layer.qkv(emb, hidden, positions)
         keys.append(k)
         values.append(v)
-        mask = ttt_mask(s, j).to(q.dtype)
+        mask = ttt_mask(s, j, q.device).to(q.dtype)
         outs.append(layer.finish(hidden, q, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask))
     return outs
 
@@ -338,7 +368,7 @@ def ttt_loss(head: EagleHead, batch: Batch, cfg: TrainConfig) -> tuple[torch.Ten
     greedy token) over the valid rows of each step."""
     outs = unrolled_forward(head, batch.features, batch.input_ids, cfg.ttt_steps)
     draft_ids = head.draft_ids()
-    total = torch.zeros(())
+    total = torch.zeros((), device=batch.features.device)
     ces, accs = [], []
     for j, out in enumerate(outs):
         logits = head.logits(out[:, j:]).float()
@@ -376,8 +406,9 @@ class StreamSource:
         else:
             starts = rng.integers(0, len(self.stream) - cfg.seq_len + 1, size=cfg.batch)
             picked = [self.stream[s:s + cfg.seq_len] for s in starts]
-        window = torch.from_numpy(np.stack(picked).astype(np.int64))
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+        device = model_device(self.model)
+        window = torch.from_numpy(np.stack(picked).astype(np.int64)).to(device)
+        with autocast(device, cfg.bf16):
             feats, final = target_forward(self.model, window, self.layers)
             with torch.no_grad():
                 labels = draft_logits(self.model, final, self.draft_ids)
@@ -424,21 +455,22 @@ class FeatureCache:
         self.folder.mkdir(parents=True, exist_ok=True)
         done = sum(s["n"] for s in self.index["shards"])
         fp16_max = float(np.finfo(np.float16).max)
+        device = model_device(model)
         bar = tqdm(total=len(windows), initial=done, desc="feature cache", unit="win", disable=not progress)
         while done < len(windows):
             chunk = windows[done:done + shard_size]
             shard = {"name": f"shard-{len(self.index['shards']):05d}", "n": len(chunk)}
             arrays = self.arrays(shard, "w+")
             for i in range(0, len(chunk), 4):
-                x = torch.from_numpy(chunk[i:i + 4].astype(np.int64))
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                x = torch.from_numpy(chunk[i:i + 4].astype(np.int64)).to(device)
+                with autocast(device, bf16):
                     feats, final = target_forward(model, x, layers)
                     with torch.no_grad():
                         argmax = target_argmax(model, final)
-                arrays["features"][i:i + len(x)] = feats.clamp(-fp16_max, fp16_max).numpy()
-                arrays["final"][i:i + len(x)] = final.clamp(-fp16_max, fp16_max).numpy()
+                arrays["features"][i:i + len(x)] = feats.clamp(-fp16_max, fp16_max).cpu().numpy()
+                arrays["final"][i:i + len(x)] = final.clamp(-fp16_max, fp16_max).cpu().numpy()
                 arrays["tokens"][i:i + len(x)] = chunk[i:i + 4]
-                arrays["argmax"][i:i + len(x)] = argmax.numpy()
+                arrays["argmax"][i:i + len(x)] = argmax.cpu().numpy()
                 bar.update(len(x))
             for a in arrays.values():
                 a.flush()
@@ -475,7 +507,8 @@ class CacheSource:
             s = int(np.searchsorted(self.offsets, w, side="right") - 1)
             for name in parts:
                 parts[name].append(np.asarray(self.shards[s][name][w - self.offsets[s]]))
-        t = {name: torch.from_numpy(np.stack(v)) for name, v in parts.items()}
+        device = model_device(self.model)
+        t = {name: torch.from_numpy(np.stack(v)).to(device) for name, v in parts.items()}
         with torch.no_grad():
             labels = draft_logits(self.model, t["final"].float(), self.draft_ids)
         return rows_of(t["tokens"].long(), t["features"].float(), labels, t["argmax"].long())
@@ -505,7 +538,8 @@ def init_head(model, hcfg: EagleConfig, draft_ids: np.ndarray, init_fc: str) -> 
     with torch.no_grad():
         head.d2t.copy_(d2t)
         head.t2d.copy_(t2d)
-        head.lm_head.weight.copy_(model.get_output_embeddings().weight[torch.as_tensor(draft_ids)].float())
+        lm = model.get_output_embeddings().weight
+        head.lm_head.weight.copy_(lm[torch.as_tensor(draft_ids, device=lm.device)].float().to(head.lm_head.weight.device))
         norm = getattr(model.model, "norm", None)
         if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape == head.norm.weight.shape:
             head.norm.weight.copy_(norm.weight.float())
@@ -573,7 +607,8 @@ def train_head(target: str | Path, stream: np.ndarray, out: str | Path, cfg: Tra
     from tqdm import tqdm
 
     t_start = time.time()
-    model = model if model is not None else load_target(target)
+    device = resolve_device(cfg.device)
+    model = (model if model is not None else load_target(target)).to(device)
     mc = model.config
     out = Path(out)
     ckpt_dir = Path(checkpoint_dir) if checkpoint_dir else out / "checkpoint"
@@ -612,9 +647,10 @@ def train_head(target: str | Path, stream: np.ndarray, out: str | Path, cfg: Tra
     head = init_head(model, hcfg, draft_ids, cfg.init_fc)
     if cfg.init_from:
         start_from(head, cfg.init_from, mc.num_hidden_layers)
+    head.to(device)
     opt = make_optimizer(head, cfg)
     rng = np.random.default_rng(cfg.seed)
-    draft_t = torch.as_tensor(draft_ids)
+    draft_t = torch.as_tensor(draft_ids, device=device)
     source = cache.source(model, cfg, draft_t) if cache else StreamSource(model, stream, cfg, layers, draft_t, windows)
 
     log: dict = {"target": str(target), "seed": cfg.seed, "args": {**cfg.key(), "feature_layers": list(layers)},
@@ -656,8 +692,8 @@ def train_head(target: str | Path, stream: np.ndarray, out: str | Path, cfg: Tra
         lr = lr_at(step, cfg)
         for g in opt.param_groups:
             g["lr"] = lr
-        batch = source.next(rng)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+        batch = batch_to(source.next(rng), device)
+        with autocast(device, cfg.bf16):
             loss, ces, accs = ttt_loss(head, batch, cfg)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -724,6 +760,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--init-fc", choices=("identity", "random"), default=d.init_fc)
     ap.add_argument("--init-from", default=None, help="start from this head folder (a second stage)")
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast (CPUs with bf16 support, GPUs)")
+    ap.add_argument("--device", default="cpu",
+                    help="torch device for the target and the head: cpu (default) or cuda[:N] (a CUDA build of "
+                         "torch; minutes instead of days for a 1.5B target)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--feature-cache", default=None, help="folder for cached target features (built once, reused)")
     ap.add_argument("--cache-windows", type=int, default=None, help="windows kept in the feature cache")
@@ -755,6 +794,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     try:
         cfg = config_from_args(a)
+        resolve_device(cfg.device)  # a device this torch cannot use: one line before anything loads
         if a.threads:
             torch.set_num_threads(a.threads)
         from transformers import AutoTokenizer
