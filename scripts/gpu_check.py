@@ -136,6 +136,34 @@ def check_one(bundle: Path, kwargs: dict, prompts: list[str], max_new: int, ref:
     return out
 
 
+def check_head_training(tmp: Path, steps: int = 3) -> dict:
+    """``specdec-train-head --device cuda`` against cpu: a few float32 steps of the reference
+    head's shape from the shipped target, same seed and windows; the per-step losses must agree
+    to 1e-3 relative (summation order differs between the devices, nothing else)."""
+    try:
+        import torch
+    except ImportError:
+        return {"ran": False, "why": "not available: torch is not installed"}
+    if not torch.cuda.is_available():
+        return {"ran": False, "why": "not available: torch sees no CUDA device"}
+    from transformers import AutoTokenizer
+
+    from specdec_rt.export import eagle_train as et
+
+    target = ROOT / "specdec_rt" / "data" / "reference" / "target"
+    text = "".join((ROOT / "specdec_rt" / "runtime" / f).read_text() for f in ("engine.py", "eagle.py"))
+    stream = np.asarray(AutoTokenizer.from_pretrained(str(target))(text)["input_ids"], dtype=np.int64)
+    losses, seconds = {}, {}
+    for device in ("cpu", "cuda"):
+        cfg = et.TrainConfig(steps=steps, seq_len=128, batch=4, warmup=1, ttt_steps=3, device=device, seed=7)
+        t0 = time.perf_counter()
+        log = et.train_head(target, stream, tmp / f"head-{device}", cfg, progress=False)
+        seconds[device] = round(time.perf_counter() - t0, 2)
+        losses[device] = [s["loss"] for s in log["steps"]]
+    worst = max(abs(a - b) / max(abs(a), 1e-6) for a, b in zip(losses["cpu"], losses["cuda"]))
+    return {"ran": True, "losses": losses, "max_rel_diff": worst, "seconds": seconds, "ok": worst < 1e-3}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bundle", help="existing bundle (portable, for the TensorRT backends)")
@@ -148,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", dest="json_path", help="write the results here")
+    ap.add_argument("--head-training", action="store_true",
+                    help="also train the reference EAGLE-3 head's shape for a few steps on cuda and on cpu "
+                         "(specdec-train-head --device; needs torch with CUDA and transformers)")
     args = ap.parse_args(argv)
 
     from specdec_rt.errors import USER_ERRORS
@@ -182,12 +213,18 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"{name:<22} | {'yes':<14} | {r['exact']:<5} | {r['max_logit_err']:>13.3g} | "
               f"{r['tok_s_target_only']:>12.1f} | {r['tok_s_spec']:>14.1f}")
+    training = None
+    if args.head_training:
+        with tempfile.TemporaryDirectory(prefix="gpu_check_head_") as tmp:
+            training = check_head_training(Path(tmp))
+        print(f"head training cuda vs cpu: {training}")
     if args.json_path:
         meta = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                 "reference": "cpu target-only greedy", "bundle": None if own else str(bundle)}
-        Path(args.json_path).write_text(json.dumps({"meta": meta, "backends": rows}, indent=2))
+        Path(args.json_path).write_text(json.dumps({"meta": meta, "backends": rows, "head_training": training},
+                                                   indent=2))
     ok = all(r["exact"] == f"{len(prompts)}/{len(prompts)}" for r in rows.values() if r["ran"])
-    return 0 if ok else 1
+    return 0 if ok and (training is None or not training["ran"] or training["ok"]) else 1
 
 
 if __name__ == "__main__":
