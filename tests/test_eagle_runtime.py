@@ -110,9 +110,22 @@ def test_eagle_trees_are_target_only(eagle_gen, budget):
 
 
 def test_eagle_batch_is_target_only(eagle_gen):
+    """A batch's rows share every head call (catch-up and draft steps) and stay the target's."""
     base = [eagle_gen.generate(p, max_new_tokens=16, drafter=None, ignore_eos=True).token_ids for p in PROMPTS]
+    head = eagle_gen.head.engine
+    calls = head.calls
+    for p in PROMPTS:
+        eagle_gen.generate(p, max_new_tokens=16, drafter="eagle", num_draft_tokens=3, ignore_eos=True)
+    alone, calls = head.calls - calls, head.calls
     out = eagle_gen.generate_batch(PROMPTS, max_new_tokens=16, drafter="eagle", num_draft_tokens=3, ignore_eos=True)
     assert [r.token_ids for r in out] == base
+    assert all(r.stats.proposed > 0 for r in out)
+    assert head.calls - calls < 0.6 * alone  # ~1/3: three rows per call
+    # sampled rows drafted together: seeded, reproducible, valid ids
+    kw = dict(max_new_tokens=16, drafter="eagle", num_draft_tokens=3, temperature=0.9, seed=5, ignore_eos=True)
+    a = [r.token_ids for r in eagle_gen.generate_batch(PROMPTS, **kw)]
+    assert a == [r.token_ids for r in eagle_gen.generate_batch(PROMPTS, **kw)]
+    assert all(len(t) == 16 and all(0 <= x < eagle_gen.vocab_size for x in t) for t in a)
 
 
 def test_feature_cache_holds_the_committed_positions(eagle_gen, eagle_pair):

@@ -102,9 +102,9 @@ class EagleDrafter:
         self.calls += 1
         return logits[-1], head.outputs["hidden_out"]
 
-    def catch_up(self, tokens: list[int], seq: int) -> tuple[np.ndarray, np.ndarray]:
-        """Feed the head every position the target committed since the last proposal; returns
-        the last row's (logits, hidden_out): its prediction for the token after ``tokens``."""
+    def _pending(self, tokens: list[int], seq: int) -> tuple[int, int]:
+        """(first, end) of the committed positions the head has not read yet; a gap longer than
+        ``context`` restarts the head's sequence on the last ``context`` of them."""
         avail = self.target.lengths[seq]  # features of positions < avail are the target's
         if avail != len(tokens) - 1:
             raise RuntimeError(f"eagle drafter: the target holds {avail} positions, the row {len(tokens)} tokens")
@@ -112,6 +112,12 @@ class EagleDrafter:
         if self.context and avail - done > self.context:  # too far behind: restart on recent positions
             self.head.reset(seq)
             done = self._done[seq] = avail - self.context  # head slot 0 now holds this position
+        return done, avail
+
+    def catch_up(self, tokens: list[int], seq: int) -> tuple[np.ndarray, np.ndarray]:
+        """Feed the head every position the target committed since the last proposal; returns
+        the last row's (logits, hidden_out): its prediction for the token after ``tokens``."""
+        done, avail = self._pending(tokens, seq)
         if done < avail:
             features = self.target.features[seq, done:avail]
             hidden = self.fc.run(["hidden_states"], {"features": features[None]})[0][0]
@@ -124,42 +130,98 @@ class EagleDrafter:
         return last
 
     def propose(self, rows: list[Row], ks: list[int]) -> list[tuple[list[int], np.ndarray | None]]:
+        """Each row's draft of up to its k tokens: one row drafts on the head's one-sequence
+        calls; several rows share every head call (the catch-up and each draft step), as the
+        batch's target calls do."""
         t0 = time.perf_counter()
-        out: list[tuple[list[int], np.ndarray | None]] = []
-        first = 0.0
-        long_catch_up = False
-        for row, k in zip(rows, ks):
-            k = min(k, self.head.max_len - len(row.tokens))
-            if k <= 0:
-                out.append(([], None))
-                continue
-            seq = row.seq
-            long_catch_up |= self._done[seq] == 0
-            logits, hidden = self.catch_up(row.tokens, seq)
-            if not first:
-                first = time.perf_counter() - t0
-            base = self.head.lengths[seq]
-            pos = len(row.tokens) - 1  # the next head row's position: the last committed token's
-            params = row.cfg.params
-            drafts: list[int] = []
-            qs: list[np.ndarray] = []
-            while True:
-                tok, q = draft_token(logits, params, row.rng)
-                if q is not None:
-                    qs.append(q)
-                drafts.append(tok)
-                if len(drafts) == k:
-                    break
-                logits, h = self._rows([tok], np.array([pos], dtype=np.int64), hidden[None], seq)
-                self.head.commit(1, seq)
-                hidden = h[-1]
-                pos += 1
-            self.head.rollback(base, seq)  # drafted rows: recomputed from the target's features once verified
-            out.append((drafts, np.stack(qs) if qs else None))
+        ks = [max(0, min(k, self.head.max_len - len(row.tokens))) for row, k in zip(rows, ks)]
+        live = [i for i, k in enumerate(ks) if k > 0]
+        long_catch_up = any(self._done[rows[i].seq] == 0 for i in live)
+        drafts: list[list[int]] = [[] for _ in rows]
+        qs: list[list[np.ndarray]] = [[] for _ in rows]
+        if len(live) > 1 and getattr(self.head, "device", None) == "cpu":
+            first = self._draft_batch([rows[i] for i in live], [ks[i] for i in live],
+                                      [drafts[i] for i in live], [qs[i] for i in live], t0)
+        else:
+            first = 0.0
+            for i in live:
+                self._draft_one(rows[i], ks[i], drafts[i], qs[i])
+                first = first or time.perf_counter() - t0
         spent = time.perf_counter() - t0
         self.time += spent
         self.report = DraftReport(spent, first / spent if first and spent > 0 else None, long_catch_up)
-        return out
+        return [(d, np.stack(q) if q else None) for d, q in zip(drafts, qs)]
+
+    def _draft_one(self, row: Row, k: int, drafts: list[int], qs: list[np.ndarray]) -> None:
+        """One row's draft on one-sequence head calls (appended to ``drafts`` / ``qs``)."""
+        seq = row.seq
+        logits, hidden = self.catch_up(row.tokens, seq)
+        base = self.head.lengths[seq]
+        pos = len(row.tokens) - 1  # the next head row's position: the last committed token's
+        while True:
+            tok, q = draft_token(logits, row.cfg.params, row.rng)
+            if q is not None:
+                qs.append(q)
+            drafts.append(tok)
+            if len(drafts) == k:
+                break
+            logits, h = self._rows([tok], np.array([pos], dtype=np.int64), hidden[None], seq)
+            self.head.commit(1, seq)
+            hidden = h[-1]
+            pos += 1
+        self.head.rollback(base, seq)  # drafted rows: recomputed from the target's features once verified
+
+    def _draft_batch(self, rows: list[Row], ks: list[int], drafts: list[list[int]], qs: list[list[np.ndarray]],
+                     t0: float) -> float:
+        """Several rows' drafts on batched head calls: one fc and one head call for every row's
+        catch-up, then one head call per draft step over the rows still drafting. Returns the
+        catch-up's time (the first call's share of the report)."""
+        head = self.head
+        seqs = [row.seq for row in rows]
+        head.call_inputs = {"logits_to_keep": np.array([1], dtype=np.int64)} if self._keep else {}
+        todo = [(i, *self._pending(row.tokens, row.seq)) for i, row in enumerate(rows)]
+        todo = [(i, d, a) for i, d, a in todo if d < a]
+        if todo:
+            feats = np.concatenate([self.target.features[seqs[i], d:a] for i, d, a in todo])
+            hidden = self.fc.run(["hidden_states"], {"features": feats[None]})[0][0]
+            parts = np.split(hidden, np.cumsum([a - d for _, d, a in todo])[:-1])
+            logits = head.forward_batch([seqs[i] for i, _, _ in todo], [rows[i].tokens[d + 1:a + 1] for i, d, a in todo],
+                                        [np.arange(d, a, dtype=np.int64) for _, d, a in todo], None,
+                                        {"hidden_states": [np.ascontiguousarray(x, dtype=np.float32) for x in parts]})
+            self.calls += 1
+            for (i, d, a), x, h in zip(todo, logits, head.outputs["hidden_out"]):
+                head.commit(a - d, seqs[i])
+                self._done[seqs[i]] = a
+                self._last[seqs[i]] = (x[-1].copy(), h[-1].copy())
+        first = time.perf_counter() - t0
+        state = [self._last[q] for q in seqs]  # per row: (logits of the next token, hidden_out)
+        assert all(st is not None for st in state)
+        bases = [head.lengths[q] for q in seqs]
+        pos = [len(row.tokens) - 1 for row in rows]
+        live = list(range(len(rows)))
+        while live:
+            more = []
+            for i in live:
+                tok, q = draft_token(state[i][0], rows[i].cfg.params, rows[i].rng)
+                if q is not None:
+                    qs[i].append(q)
+                drafts[i].append(tok)
+                if len(drafts[i]) < ks[i]:
+                    more.append(i)
+            if not more:
+                break
+            logits = head.forward_batch([seqs[i] for i in more], [[drafts[i][-1]] for i in more],
+                                        [np.array([pos[i]], dtype=np.int64) for i in more], None,
+                                        {"hidden_states": [state[i][1][None].astype(np.float32, copy=False) for i in more]})
+            self.calls += 1
+            for i, x, h in zip(more, logits, head.outputs["hidden_out"]):
+                head.commit(1, seqs[i])
+                state[i] = (x[-1], h[-1])
+                pos[i] += 1
+            live = more
+        for q, b in zip(seqs, bases):
+            head.rollback(b, q)  # drafted rows: recomputed from the target's features once verified
+        return first
 
     def tree_root(self, tokens: list[int], seq: int = 0) -> tuple[np.ndarray, np.ndarray, int, int]:
         """A dynamic tree's start (:class:`~specdec_rt.runtime.tree_drafters.TreeSource`): the

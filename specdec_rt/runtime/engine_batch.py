@@ -64,11 +64,15 @@ class BatchCalls:
         return self._forward_batch(seqs, ids, positions, masks)
 
     def forward_batch(self, seqs: list[int], ids: list, positions: list | None = None,
-                      masks: list | None = None) -> list[np.ndarray]:
+                      masks: list | None = None, row_inputs: dict[str, list[np.ndarray]] | None = None
+                      ) -> list[np.ndarray]:
         """:meth:`forward_rows` as one batched call whatever ``batch_calls`` says (CPU provider,
         several sequences): what :func:`~specdec_rt.runtime.probes.probe_batch_invariance`
-        compares with one-sequence calls. Nothing is committed."""
-        return self._forward_batch(seqs, ids, positions, masks)
+        compares with one-sequence calls, and how an EAGLE-3 head drafts for a batch (its
+        proposals need no bit-exactness). ``row_inputs``: graph inputs given per sequence as
+        ``[S_r, ...]`` arrays (a head's ``hidden_states``), laid out like the tokens; extra outputs
+        other than ``features`` come back per sequence in ``outputs`` (lists). Nothing is committed."""
+        return self._forward_batch(seqs, ids, positions, masks, row_inputs)
 
     def warn_unbatched(self) -> None:
         """Say once (at load if batching was asked for, else at the first batch) that batched
@@ -81,7 +85,7 @@ class BatchCalls:
             self.batch_warning = None
 
     def _forward_batch(self, seqs: list[int], ids: list, positions: list | None,
-                       masks: list | None) -> list[np.ndarray]:
+                       masks: list | None, row_inputs: dict[str, list[np.ndarray]] | None = None) -> list[np.ndarray]:
         if self.device != "cpu":  # pragma: no cover - guarded at construction
             raise BackendUnavailableError("batched calls run on the CPU provider only")
         lengths = np.array([self.lengths[q] for q in seqs])
@@ -132,6 +136,13 @@ class BatchCalls:
                 block[:s, c:c + s] = m[:, p:]
                 block[s:] = block[s - 1]  # pad rows see what the last real row sees
         feeds = {"input_ids": ids_in, "position_ids": pos_in, "attention_mask": mask_in}
+        for name, parts in (row_inputs or {}).items():  # per sequence, padded like the tokens
+            x = np.concatenate(parts)
+            arr = np.zeros((n, smax) + x.shape[1:], dtype=x.dtype)
+            arr[rows] = x[flat]
+            feeds[name] = arr
+        if row_inputs is not None:
+            feeds.update({k: v for k, v in self.call_inputs.items() if k not in row_inputs})
         keys, values = cache.keys, cache.values
         for (pk, pv), kbuf, vbuf in zip(self._past_names, keys, values):
             feeds[pk] = kbuf[lo:hi]
@@ -152,6 +163,9 @@ class BatchCalls:
             at = (np.array(seqs)[:, None] * f.shape[1] + lengths[:, None] + j[None, :]).ravel()[take]
             got = out[len(self._out_names) + self.extra_outputs.index("features")]
             f.reshape(-1, f.shape[-1])[at] = got.reshape(-1, f.shape[-1])[src]
+        if row_inputs is not None:  # a head's own outputs (hidden_out), per sequence
+            self.outputs = {name: [out[len(self._out_names) + i][r, :s] for r, s in zip(rows, widths)]
+                            for i, name in enumerate(self.extra_outputs) if name != "features"}
         self.calls += 1
-        logits = out[0]
+        logits = out[0]  # [n, S_max or the kept rows, V]
         return [logits[r, :s] for r, s in zip(rows, widths)]
