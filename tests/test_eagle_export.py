@@ -370,3 +370,19 @@ def test_quantized_and_portable_head_graphs(small_target, tmp_path):
     assert all(n.domain in ("", "ai.onnx") for n in model.graph.node)
     report = compare_head(str(tmp_path / "p/model.onnx"), str(tmp_path / "p/fc.onnx"), ref)
     assert report["max_logit_error"] < 1e-4
+
+
+def test_head_quantization_choice():
+    """--head-quantize auto: int4 unless --quantize decides (or leaves the head out) or the
+    export is portable (MatMulNBits is a contrib op); explicit choices win."""
+    from specdec_rt.export.pipeline import ExportOptions, head_quantization
+
+    assert head_quantization(ExportOptions()) == "int4"
+    assert head_quantization(ExportOptions(portable=True)) is None
+    assert head_quantization(ExportOptions(quantize="int8")) == "int8"
+    assert head_quantization(ExportOptions(quantize="int4", quantize_roles=("target", "draft"))) is None
+    assert head_quantization(ExportOptions(head_quantize="none")) is None
+    assert head_quantization(ExportOptions(quantize="int4", head_quantize="int8")) == "int8"
+    with pytest.raises(ExportError, match="--head-quantize"):
+        ExportOptions(head_quantize="int2").check()
+

@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "for the head's layers and the head's graphs go to head/ (with or without --draft)")
     ap.add_argument("--head-quantize", default="auto", choices=["auto", "int4", "int8", "none"],
                     help="the --draft-head graphs' weights: auto (default) = int4 unless --quantize is given (then "
-                         "its scheme, or float if --quantize-models leaves out head); the head only proposes, so "
+                         "its scheme, or float if --quantize-models leaves out head) or --portable (float: "
+                         "MatMulNBits is a contrib op); the head only proposes, so "
                          "this never changes the output, and int4 makes a head call ~2-3x cheaper in the loop")
     ap.add_argument("--float-embedding", action="store_true",
                     help="with --quantize: keep the embedding table in the graph dtype (larger, no "

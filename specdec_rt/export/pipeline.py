@@ -81,10 +81,11 @@ class ExportOptions:
     # target gets a ``features`` output for its layers and the head's graphs go to ``head/``
     # (specdec_rt.export.eagle_graph); with or without a draft model
     draft_head: str | os.PathLike | None = None
-    # the head's weights: "auto" = int4 when nothing is quantized (the head only proposes, so its
-    # precision never changes the output, and int4 makes its calls ~2-3x cheaper in the loop,
-    # docs/eagle.md), else the --quantize scheme, or float when --quantize-models leaves it out;
-    # "none" / "int4" / "int8" choose it outright
+    # the head's weights: "auto" = int4 when nothing is quantized and the graphs may use ONNX
+    # Runtime's contrib ops (not --portable): the head only proposes, so its precision never
+    # changes the output, and int4 makes its calls ~2-3x cheaper in the loop (docs/design.md,
+    # "EAGLE-3 heads: runtime"); else the --quantize scheme, or float when --quantize-models leaves
+    # it out; "none" / "int4" / "int8" choose it outright
     head_quantize: str = "auto"
 
     def check(self) -> None:
@@ -725,7 +726,7 @@ def head_quantization(options: ExportOptions) -> str | None:
     if options.head_quantize != "auto":
         return None if options.head_quantize == "none" else options.head_quantize
     if options.quantize is None:
-        return "int4"
+        return None if options.portable else "int4"  # MatMulNBits is a contrib op
     return options.quantize if "head" in options.quantize_roles else None
 
 
