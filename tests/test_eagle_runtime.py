@@ -121,6 +121,14 @@ def test_eagle_batch_is_target_only(eagle_gen):
     assert [r.token_ids for r in out] == base
     assert all(r.stats.proposed > 0 for r in out)
     assert head.calls - calls < 0.6 * alone  # ~1/3: three rows per call
+    # "auto" prices a batched head step by measuring one (not B one-row steps), and stays exact
+    auto = eagle_gen.generate_batch(PROMPTS, max_new_tokens=16, drafter="eagle", num_draft_tokens="auto",
+                                    ignore_eos=True)
+    assert [r.token_ids for r in auto] == base
+    store = eagle_gen.policies
+    cost = store.chain("eagle", max_width=len(PROMPTS)).cost
+    assert set(store.head_widths) == set(cost.widths) and len(PROMPTS) in store.head_widths
+    assert all(cost.widths[b][1] == store.head_widths[b] > 0 for b in cost.widths)
     # sampled rows drafted together: seeded, reproducible, valid ids
     kw = dict(max_new_tokens=16, drafter="eagle", num_draft_tokens=3, temperature=0.9, seed=5, ignore_eos=True)
     a = [r.token_ids for r in eagle_gen.generate_batch(PROMPTS, **kw)]

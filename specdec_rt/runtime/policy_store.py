@@ -38,6 +38,7 @@ class PolicyStore:
         self.draft = draft
         self.head = head  # the bundle's EAGLE-3 head: its step is drafter="eagle"'s cost
         self.head_step: float | None = None  # measured at the first "auto" eagle generation
+        self.head_widths: dict[int, float] = {}  # a batched head step per batch width, measured as needed
         self.manifest = manifest  # the bundle's: keys the on-disk cost model (None: no disk cache)
         self.clock = clock
         self.cost_model: CostModel | None = None
@@ -51,11 +52,14 @@ class PolicyStore:
         covers batches of up to ``max_width`` sequences."""
         key = (scope + (drafter or "none"), bool(overlap))
         cost = self.measured(self.draft if drafter == "model" else None, max_width)
-        if drafter == "eagle" and self.head is not None:  # one head call per drafted token and row
+        if drafter == "eagle" and self.head is not None:  # a head call per drafted token, the rows batched
             if self.head_step is None:
                 self.head_step = self.head.measure_step(clock=self.clock)
-            c = self.head_step
-            cost = CostModel(cost.target_times, c, {b: (t, b * c) for b, (t, _) in cost.widths.items()})
+            for b in cost.widths:
+                if b not in self.head_widths:
+                    self.head_widths[b] = self.head.measure_step(clock=self.clock, width=b)
+            cost = CostModel(cost.target_times, self.head_step,
+                             {b: (t, self.head_widths[b]) for b, (t, _) in cost.widths.items()})
         elif drafter != "model":  # prompt lookup: drafting costs (next to) nothing
             cost = CostModel(cost.target_times, 0.0, {b: (t, 0.0) for b, (t, _) in cost.widths.items()})
         policy = self.chains.get(key)
