@@ -102,6 +102,20 @@ class EagleDrafter:
         self.calls += 1
         return logits[-1], head.outputs["hidden_out"]
 
+    def _call(self, seqs: list[int], ids: list, positions: list[np.ndarray],
+              hidden: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Rows of several sequences at their next head slots, per sequence (the last row's
+        logits, hidden_out of every row): one batched call on the CPU provider, else (and for a
+        single sequence, the one-sequence fast path) one call per sequence. Nothing is committed."""
+        head = self.head
+        if len(seqs) == 1 or getattr(head, "device", None) != "cpu":
+            return [self._rows(i, p, h, q) for q, i, p, h in zip(seqs, ids, positions, hidden)]
+        head.call_inputs = {"logits_to_keep": np.array([1], dtype=np.int64)} if self._keep else {}
+        logits = head.forward_batch(seqs, ids, positions, None,
+                                    {"hidden_states": [np.ascontiguousarray(h, dtype=np.float32) for h in hidden]})
+        self.calls += 1
+        return [(x[-1], h) for x, h in zip(logits, head.outputs["hidden_out"])]
+
     def _pending(self, tokens: list[int], seq: int) -> tuple[int, int]:
         """(first, end) of the committed positions the head has not read yet; a gap longer than
         ``context`` restarts the head's sequence on the last ``context`` of them."""
@@ -114,114 +128,74 @@ class EagleDrafter:
             done = self._done[seq] = avail - self.context  # head slot 0 now holds this position
         return done, avail
 
-    def catch_up(self, tokens: list[int], seq: int) -> tuple[np.ndarray, np.ndarray]:
-        """Feed the head every position the target committed since the last proposal; returns
-        the last row's (logits, hidden_out): its prediction for the token after ``tokens``."""
-        done, avail = self._pending(tokens, seq)
-        if done < avail:
-            features = self.target.features[seq, done:avail]
-            hidden = self.fc.run(["hidden_states"], {"features": features[None]})[0][0]
-            logits, out = self._rows(tokens[done + 1:avail + 1], np.arange(done, avail, dtype=np.int64), hidden, seq)
-            self.head.commit(avail - done, seq)
-            self._done[seq] = avail
-            self._last[seq] = (logits.copy(), out[-1].copy())
-        last = self._last[seq]
-        assert last is not None  # the prompt leaves at least one position to catch up on
+    def _catch_up(self, rows: list[tuple[list[int], int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Feed the head every position the target committed since each sequence's last proposal
+        (one fc call and one head call for all of them); per (tokens, seq), the last row's
+        (logits, hidden_out): its prediction for the token after ``tokens``."""
+        todo = [(tokens, seq, *self._pending(tokens, seq)) for tokens, seq in rows]
+        todo = [(tokens, seq, d, a) for tokens, seq, d, a in todo if d < a]
+        if todo:
+            feats = np.concatenate([self.target.features[q, d:a] for _, q, d, a in todo])
+            hidden = self.fc.run(["hidden_states"], {"features": feats[None]})[0][0]
+            parts = np.split(hidden, np.cumsum([a - d for *_, d, a in todo])[:-1])
+            outs = self._call([q for _, q, _, _ in todo], [t[d + 1:a + 1] for t, _, d, a in todo],
+                              [np.arange(d, a, dtype=np.int64) for *_, d, a in todo], parts)
+            for (_, q, d, a), (x, h) in zip(todo, outs):
+                self.head.commit(a - d, q)
+                self._done[q] = a
+                self._last[q] = (x.copy(), h[-1].copy())
+        last = [self._last[seq] for _, seq in rows]
+        assert all(x is not None for x in last)  # the prompt leaves at least one position to catch up on
         return last
 
+    def catch_up(self, tokens: list[int], seq: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`_catch_up` for one sequence."""
+        return self._catch_up([(tokens, seq)])[0]
+
     def propose(self, rows: list[Row], ks: list[int]) -> list[tuple[list[int], np.ndarray | None]]:
-        """Each row's draft of up to its k tokens: one row drafts on the head's one-sequence
-        calls; several rows share every head call (the catch-up and each draft step), as the
-        batch's target calls do."""
+        """Each row's draft of up to its k tokens. Every head call serves all rows still drafting
+        (the catch-up, then one call per draft step), batched as the target's calls are; a single
+        row is the special case that runs on the one-sequence fast path."""
         t0 = time.perf_counter()
         ks = [max(0, min(k, self.head.max_len - len(row.tokens))) for row, k in zip(rows, ks)]
         live = [i for i, k in enumerate(ks) if k > 0]
         long_catch_up = any(self._done[rows[i].seq] == 0 for i in live)
         drafts: list[list[int]] = [[] for _ in rows]
         qs: list[list[np.ndarray]] = [[] for _ in rows]
-        if len(live) > 1 and getattr(self.head, "device", None) == "cpu":
-            first = self._draft_batch([rows[i] for i in live], [ks[i] for i in live],
-                                      [drafts[i] for i in live], [qs[i] for i in live], t0)
-        else:
-            first = 0.0
-            for i in live:
-                self._draft_one(rows[i], ks[i], drafts[i], qs[i])
-                first = first or time.perf_counter() - t0
+        first = 0.0
+        if live:
+            head = self.head
+            seqs = [rows[i].seq for i in live]
+            state = self._catch_up([(rows[i].tokens, rows[i].seq) for i in live])  # per row: (logits, hidden_out)
+            first = time.perf_counter() - t0
+            bases = [head.lengths[q] for q in seqs]
+            pos = [len(rows[i].tokens) - 1 for i in live]  # the next head row's: the last committed token's
+            drafting = list(range(len(live)))
+            while drafting:
+                more = []
+                for j in drafting:
+                    i = live[j]
+                    tok, q = draft_token(state[j][0], rows[i].cfg.params, rows[i].rng)
+                    if q is not None:
+                        qs[i].append(q)
+                    drafts[i].append(tok)
+                    if len(drafts[i]) < ks[i]:
+                        more.append(j)
+                if not more:
+                    break
+                outs = self._call([seqs[j] for j in more], [[drafts[live[j]][-1]] for j in more],
+                                  [np.array([pos[j]], dtype=np.int64) for j in more], [state[j][1][None] for j in more])
+                for j, (x, h) in zip(more, outs):
+                    head.commit(1, seqs[j])
+                    state[j] = (x, h[-1])
+                    pos[j] += 1
+                drafting = more
+            for q, b in zip(seqs, bases):
+                head.rollback(b, q)  # drafted rows: recomputed from the target's features once verified
         spent = time.perf_counter() - t0
         self.time += spent
         self.report = DraftReport(spent, first / spent if first and spent > 0 else None, long_catch_up)
         return [(d, np.stack(q) if q else None) for d, q in zip(drafts, qs)]
-
-    def _draft_one(self, row: Row, k: int, drafts: list[int], qs: list[np.ndarray]) -> None:
-        """One row's draft on one-sequence head calls (appended to ``drafts`` / ``qs``)."""
-        seq = row.seq
-        logits, hidden = self.catch_up(row.tokens, seq)
-        base = self.head.lengths[seq]
-        pos = len(row.tokens) - 1  # the next head row's position: the last committed token's
-        while True:
-            tok, q = draft_token(logits, row.cfg.params, row.rng)
-            if q is not None:
-                qs.append(q)
-            drafts.append(tok)
-            if len(drafts) == k:
-                break
-            logits, h = self._rows([tok], np.array([pos], dtype=np.int64), hidden[None], seq)
-            self.head.commit(1, seq)
-            hidden = h[-1]
-            pos += 1
-        self.head.rollback(base, seq)  # drafted rows: recomputed from the target's features once verified
-
-    def _draft_batch(self, rows: list[Row], ks: list[int], drafts: list[list[int]], qs: list[list[np.ndarray]],
-                     t0: float) -> float:
-        """Several rows' drafts on batched head calls: one fc and one head call for every row's
-        catch-up, then one head call per draft step over the rows still drafting. Returns the
-        catch-up's time (the first call's share of the report)."""
-        head = self.head
-        seqs = [row.seq for row in rows]
-        head.call_inputs = {"logits_to_keep": np.array([1], dtype=np.int64)} if self._keep else {}
-        todo = [(i, *self._pending(row.tokens, row.seq)) for i, row in enumerate(rows)]
-        todo = [(i, d, a) for i, d, a in todo if d < a]
-        if todo:
-            feats = np.concatenate([self.target.features[seqs[i], d:a] for i, d, a in todo])
-            hidden = self.fc.run(["hidden_states"], {"features": feats[None]})[0][0]
-            parts = np.split(hidden, np.cumsum([a - d for _, d, a in todo])[:-1])
-            logits = head.forward_batch([seqs[i] for i, _, _ in todo], [rows[i].tokens[d + 1:a + 1] for i, d, a in todo],
-                                        [np.arange(d, a, dtype=np.int64) for _, d, a in todo], None,
-                                        {"hidden_states": [np.ascontiguousarray(x, dtype=np.float32) for x in parts]})
-            self.calls += 1
-            for (i, d, a), x, h in zip(todo, logits, head.outputs["hidden_out"]):
-                head.commit(a - d, seqs[i])
-                self._done[seqs[i]] = a
-                self._last[seqs[i]] = (x[-1].copy(), h[-1].copy())
-        first = time.perf_counter() - t0
-        state = [self._last[q] for q in seqs]  # per row: (logits of the next token, hidden_out)
-        assert all(st is not None for st in state)
-        bases = [head.lengths[q] for q in seqs]
-        pos = [len(row.tokens) - 1 for row in rows]
-        live = list(range(len(rows)))
-        while live:
-            more = []
-            for i in live:
-                tok, q = draft_token(state[i][0], rows[i].cfg.params, rows[i].rng)
-                if q is not None:
-                    qs[i].append(q)
-                drafts[i].append(tok)
-                if len(drafts[i]) < ks[i]:
-                    more.append(i)
-            if not more:
-                break
-            logits = head.forward_batch([seqs[i] for i in more], [[drafts[i][-1]] for i in more],
-                                        [np.array([pos[i]], dtype=np.int64) for i in more], None,
-                                        {"hidden_states": [state[i][1][None].astype(np.float32, copy=False) for i in more]})
-            self.calls += 1
-            for i, x, h in zip(more, logits, head.outputs["hidden_out"]):
-                head.commit(1, seqs[i])
-                state[i] = (x[-1], h[-1])
-                pos[i] += 1
-            live = more
-        for q, b in zip(seqs, bases):
-            head.rollback(b, q)  # drafted rows: recomputed from the target's features once verified
-        return first
 
     def tree_root(self, tokens: list[int], seq: int = 0) -> tuple[np.ndarray, np.ndarray, int, int]:
         """A dynamic tree's start (:class:`~specdec_rt.runtime.tree_drafters.TreeSource`): the
@@ -297,12 +271,11 @@ class EagleHead:
                 eng.forward(np.zeros(past, dtype=np.int64), pos, np.zeros((past, past), dtype=np.float32), q)
                 eng.commit(past, q)
         one = np.zeros((1, h), dtype=np.float32)
+        eng.call_inputs = head_inputs(one, keep)  # a batched call takes hidden_states per row instead
         if width == 1:
-            eng.call_inputs = head_inputs(one, keep)
             ids, pos, mask = np.zeros(1, dtype=np.int64), np.array([past]), np.zeros((1, past + 1), dtype=np.float32)
             call = lambda: eng.forward(ids, pos, mask)  # noqa: E731
         else:
-            eng.call_inputs = {k: v for k, v in head_inputs(one, keep).items() if k != "hidden_states"}
             args = (seqs, [np.zeros(1, dtype=np.int64)] * width, [np.array([past], dtype=np.int64)] * width, None,
                     {"hidden_states": [one] * width})
             call = lambda: eng.forward_batch(*args)  # noqa: E731

@@ -141,8 +141,7 @@ class BatchCalls:
             arr = np.zeros((n, smax) + x.shape[1:], dtype=x.dtype)
             arr[rows] = x[flat]
             feeds[name] = arr
-        if row_inputs is not None:
-            feeds.update({k: v for k, v in self.call_inputs.items() if k not in row_inputs})
+        feeds.update({k: v for k, v in self.call_inputs.items() if k not in (row_inputs or {})})
         keys, values = cache.keys, cache.values
         for (pk, pv), kbuf, vbuf in zip(self._past_names, keys, values):
             feeds[pk] = kbuf[lo:hi]
@@ -163,9 +162,9 @@ class BatchCalls:
             at = (np.array(seqs)[:, None] * f.shape[1] + lengths[:, None] + j[None, :]).ravel()[take]
             got = out[len(self._out_names) + self.extra_outputs.index("features")]
             f.reshape(-1, f.shape[-1])[at] = got.reshape(-1, f.shape[-1])[src]
-        if row_inputs is not None:  # a head's own outputs (hidden_out), per sequence
-            self.outputs = {name: [out[len(self._out_names) + i][r, :s] for r, s in zip(rows, widths)]
-                            for i, name in enumerate(self.extra_outputs) if name != "features"}
+        # extra outputs other than the features (a head's hidden_out), per sequence
+        self.outputs = {name: [out[len(self._out_names) + i][r, :s] for r, s in zip(rows, widths)]
+                        for i, name in enumerate(self.extra_outputs) if name != "features"}
         self.calls += 1
         logits = out[0]  # [n, S_max or the kept rows, V]
         return [logits[r, :s] for r, s in zip(rows, widths)]
