@@ -208,13 +208,7 @@ class HeadGraphBuilder(GraphBuilder):
         kv_shape = g.shape([0, 0, hkv, d])
         g.op("Reshape", [k, kv_shape], outputs=["new_key.0"])
         g.op("Reshape", [v, kv_shape], outputs=["new_value.0"])
-        if self._fused_attn:  # one ONNX Attention node, as the draft's (the head only proposes)
-            attn = self._fused_attention(q, k, v, 0, self._mask(None), "l0_attn")
-        else:
-            k_all = g.op("Concat", ["past_key.0", "new_key.0"], "l0_k_all", axis=1)
-            v_all = g.op("Concat", ["past_value.0", "new_value.0"], "l0_v_all", axis=1)
-            attn = self._attention(q, k_all, v_all, self._mask(None), "l0_attn")
-        attn = self._linear(attn, lw.o_w, None, "l0_o")
+        attn = self._linear(self._attend(q, k, v, 0, None, "l0"), lw.o_w, None, "l0_o")
         # residual: the hidden input (not the 2H attention input), as eagle.EagleLayer.finish
         normed2, residual = self._norm("hidden_states", attn, lw.ln2_w, None, "l0_ln2")
         mlp = self._mlp(normed2, lw, "l0")

@@ -513,6 +513,16 @@ class GraphBuilder:
             ctx = g.op("Transpose", [ctx], hint + "_ctxt", perm=[0, 3, 1, 2, 4])  # [B,S,Hkv,G,D]
         return g.op("Reshape", [ctx, g.shape([0, 0, h * d])], hint + "_merged")
 
+    def _attend(self, q: str, k: str, v: str, layer: int, window, prefix: str) -> str:
+        """Layer ``layer``'s attention over its past and new K/V (``new_key.{layer}`` /
+        ``new_value.{layer}``, already emitted): one fused node, or the decomposed ops."""
+        if self._fused_attn:
+            return self._fused_attention(q, k, v, layer, self._mask(window), prefix + "_attn")
+        g = self.g
+        k_all = g.op("Concat", [f"past_key.{layer}", f"new_key.{layer}"], prefix + "_k_all", axis=1)
+        v_all = g.op("Concat", [f"past_value.{layer}", f"new_value.{layer}"], prefix + "_v_all", axis=1)
+        return self._attention(q, k_all, v_all, self._mask(window), prefix + "_attn")
+
     def _fused_attention(self, q: str, k: str, v: str, layer: int, mask: str, hint: str) -> str:
         """Attention as one ONNX ``Attention`` node (opset 23; ONNX Runtime's CPU kernel since 1.23).
 
@@ -616,14 +626,7 @@ class GraphBuilder:
             kv_shape = g.shape([0, 0, hkv, d])
             g.op("Reshape", [k, kv_shape], outputs=[f"new_key.{i}"])
             g.op("Reshape", [v, kv_shape], outputs=[f"new_value.{i}"])
-            if self._fused_attn:
-                attn = self._fused_attention(q, k, v, i, self._mask(windows[i]), p + "_attn")
-                attn = self._linear(attn, lw.o_w, lw.o_b, p + "_o")
-            else:
-                k_all = g.op("Concat", [f"past_key.{i}", f"new_key.{i}"], p + "_k_all", axis=1)
-                v_all = g.op("Concat", [f"past_value.{i}", f"new_value.{i}"], p + "_v_all", axis=1)
-                attn = self._attention(q, k_all, v_all, self._mask(windows[i]), p + "_attn")
-                attn = self._linear(attn, lw.o_w, lw.o_b, p + "_o")
+            attn = self._linear(self._attend(q, k, v, i, windows[i], p), lw.o_w, lw.o_b, p + "_o")
             if lw.post_attn_norm_w is not None:
                 attn, _ = self._norm(attn, None, lw.post_attn_norm_w, None, p + "_post_attn_norm")
 
