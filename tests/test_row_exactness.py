@@ -36,14 +36,15 @@ def _qwen2_config(hidden: int, layers: int):
 
 @pytest.fixture(scope="module")
 def quant_bundles(tmp_path_factory) -> dict:
-    """A tiny Qwen2-shaped target (fp32 and int4) with a weak random draft."""
+    """A tiny Qwen2-shaped target (fp32, int4, w8a8) with a weak random draft."""
     from specdec_rt.export.pipeline import ExportOptions, export_pair
 
     base = tmp_path_factory.mktemp("row_exactness")
     target = make_tiny_vocab_checkpoint(_qwen2_config(128, 2), base / "target", seed=11, scale=0.08)
     draft = make_tiny_vocab_checkpoint(_qwen2_config(64, 1), base / "draft", seed=12, scale=0.08)
     out = {}
-    for name, quant, attention in (("fp32", None, "fp64"), ("int4", "int4", "fp64"), ("fused", None, "fused")):
+    for name, quant, attention in (("fp32", None, "fp64"), ("int4", "int4", "fp64"), ("w8a8", "w8a8", "fp64"),
+                                   ("fused", None, "fused")):
         out[name] = base / name
         export_pair(target, draft, out[name], ExportOptions(progress=False, quantize=quant, quantize_roles=("target",),
                                                             target_attention=attention))
@@ -81,7 +82,7 @@ def _rows(engine, prompt, path, side):
     return np.stack(sequential), chain, tree
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int4"])
+@pytest.mark.parametrize("precision", ["fp32", "int4", "w8a8"])
 def test_chain_and_tree_rows_equal_sequential_rows_bit_for_bit(quant_bundles, precision):
     import specdec_rt
 
@@ -112,6 +113,45 @@ def test_probe_pads_one_row_calls_where_kernels_differ(quant_bundles):
     # ... and the padding really is needed for int4 here (a probe that never pads would hide it)
     unprobed = specdec_rt.load(quant_bundles["int4"], threads=1, probe_rows=False)
     assert unprobed.target.min_rows == 1
+
+
+def test_w8a8_one_row_calls_need_no_padding(quant_bundles):
+    """W8A8 multiplies integers (per-row int8 activations x int7 weights, int32 sums), so a
+    row's logits cannot depend on the call's other rows: the probe must find one-row calls
+    equal to verify rows on every CPU and leave them unpadded (int4's tax, gone)."""
+    import specdec_rt
+    from specdec_rt.runtime.masks import causal_mask
+
+    gen = specdec_rt.load(quant_bundles["w8a8"], threads=2)
+    eng = gen.target
+    assert eng.min_rows == 1
+    toks = np.array([3, 30, 300, 7, 70, 77, 400])
+    eng.reset()
+    eng.forward(toks[:3], np.arange(3), causal_mask(0, np.arange(3)))
+    eng.commit(3)
+    one = eng.forward(toks[3:4], np.array([3]), causal_mask(3, np.array([3])))[0].copy()
+    for width in (2, 4):
+        pos = np.arange(3, 3 + width)
+        assert np.array_equal(one, eng.forward(toks[3:3 + width], pos, causal_mask(3, pos))[0])
+
+
+def test_w8a8_graph_is_what_it_claims(quant_bundles):
+    """The W8A8 target: integer GEMMs (no MatMulNBits), its decode and verify rows bit-equal at
+    export validation, and closer to the PyTorch model than the int4 graph of the same weights."""
+    import json
+
+    import onnx
+
+    manifest = json.loads((quant_bundles["w8a8"] / "manifest.json").read_text())
+    target = manifest["models"]["target"]
+    model = onnx.load(str(quant_bundles["w8a8"] / "target" / "model.onnx"), load_external_data=False)
+    ops = {n.op_type for n in model.graph.node}
+    assert "MatMulIntegerToFloat" in ops and "MatMulNBits" not in ops
+    quality = target["validation"]["quantized"]
+    int4 = json.loads((quant_bundles["int4"] / "manifest.json").read_text())["models"]["target"]["validation"]["quantized"]
+    assert quality["decode_vs_verify_error"] == 0.0
+    assert quality["max_logit_error"] < int4["max_logit_error"]
+    assert target["size_bytes"] < 0.4 * target["size_bytes_unquantized"]
 
 
 def test_fused_target_attention_chain_rows_equal_sequential_rows_bit_for_bit(quant_bundles):
@@ -150,7 +190,7 @@ def test_fused_target_attention_chain_rows_equal_sequential_rows_bit_for_bit(qua
     assert [r.token_ids for r in batch] == alone
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int4"])
+@pytest.mark.parametrize("precision", ["fp32", "int4", "w8a8"])
 def test_quantized_greedy_chain_and_tree_identical_to_target_only(quant_bundles, precision):
     import specdec_rt
 
@@ -173,7 +213,7 @@ def test_only_the_target_pays_for_float64_attention(quant_bundles):
     assert models["draft"]["attention_accumulation"] == "native"  # proposals need no exactness
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int4"])
+@pytest.mark.parametrize("precision", ["fp32", "int4", "w8a8"])
 def test_batched_rows_equal_rows_alone_bit_for_bit(quant_bundles, precision):
     """Batching pads: masked past columns (rows at other lengths), pad rows (rows proposing fewer
     tokens) and more rows per call. None of it may change a row's bits, including int4's, where

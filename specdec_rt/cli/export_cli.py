@@ -24,8 +24,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"],
                     help="graph dtype: fp32 (default; exact for bf16/fp16/fp32 checkpoints) or fp16 (half the "
                          "size); bf16 is refused: ONNX Runtime's CPU EP has no bfloat16 MatMul/Add kernels")
-    ap.add_argument("--quantize", default=None, choices=["int8", "int4"],
-                    help="weight-only MatMulNBits quantization")
+    ap.add_argument("--quantize", default=None, choices=["int8", "int4", "w8a8"],
+                    help="int4 / int8: weight-only MatMulNBits; w8a8: 7-bit weights per output channel times "
+                         "8-bit activations per row in an integer GEMM, whose rows never depend on the other "
+                         "rows of a call (no padded one-row calls on any CPU) and whose verify cost stays flat on "
+                         "AVX2 (docs/design.md, 'Exactness')")
     ap.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, choices=list(BLOCK_SIZES),
                     help="with --quantize: weights per scale along K (default 32). 16: ONNX Runtime's one-row and "
                          "multi-row int4 kernels give the same bits on AVX2-only CPUs too (no padded one-row "
@@ -38,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="an EAGLE-3 feature head folder (config.json + model.safetensors or pytorch_model.bin, "
                          "published EAGLE-3 names) trained for --target: the target graph gets a 'features' output "
                          "for the head's layers and the head's graphs go to head/ (with or without --draft)")
-    ap.add_argument("--head-quantize", default="auto", choices=["auto", "int4", "int8", "none"],
+    ap.add_argument("--head-quantize", default="auto", choices=["auto", "int4", "int8", "w8a8", "none"],
                     help="the --draft-head graphs' weights: auto (default) = int4 unless --quantize is given (then "
                          "its scheme, or float if --quantize-models leaves out head) or --portable (float: "
                          "MatMulNBits is a contrib op); the head only proposes, so "

@@ -33,7 +33,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from specdec_rt.export.arch import ArchSpec, ModelWeights, VocabMatrix
 from specdec_rt.export.errors import ExportError
-from specdec_rt.export.quantize import ACCURACY_LEVEL, BLOCK_SIZE, QUANT_BITS, quantize_blockwise
+from specdec_rt.export.quantize import (ACCURACY_LEVEL, ACT_EPS, BLOCK_SIZE, QUANT_BITS, QUANT_SCHEMES, W8A8,
+                                       quantize_blockwise, quantize_per_channel, W8A8_WEIGHT_LIMIT)
 
 CONTRACT_VERSION = 1
 FUSED_ATTENTION_OPSET = 23  # ONNX Attention; ONNX Runtime's CPU kernel since 1.23
@@ -61,7 +62,9 @@ class GraphOptions:
     # "fp64": softmax and probs @ V accumulate in float64 (see GraphBuilder._attention);
     # "native": in the graph dtype (TensorRT has no float64)
     attention_accumulation: str = "fp64"
-    quantize: str | None = None  # "int4" | "int8": weight-only, quantized while the graph is built
+    # "int4" | "int8": weight-only (MatMulNBits); "w8a8": int7 weights per channel x int8 activations
+    # per row (MatMulIntegerToFloat, row-invariant by construction); quantized while the graph is built
+    quantize: str | None = None
     block_size: int = BLOCK_SIZE
     quantize_embedding: bool = True  # with ``quantize``: the embedding table too (GatherBlockQuantized)
     # one ONNX ``Attention`` node per layer instead of ~18 decomposed ops (drafts, and targets
@@ -266,12 +269,16 @@ class GraphBuilder:
                  writer: TensorWriter | None = None) -> None:
         if options.dtype not in GRAPH_DTYPES:
             raise ValueError(f"graph dtype must be one of {', '.join(GRAPH_DTYPES)}, not '{options.dtype}'")
-        if options.quantize is not None and options.quantize not in QUANT_BITS:
-            raise ValueError(f"unknown quantization '{options.quantize}'; choose one of {', '.join(QUANT_BITS)}")
+        if options.quantize is not None and options.quantize not in QUANT_SCHEMES:
+            raise ValueError(f"unknown quantization '{options.quantize}'; choose one of {', '.join(QUANT_SCHEMES)}")
+        if options.quantize == W8A8 and options.dtype != "fp32":
+            raise ValueError("quantize='w8a8' needs dtype fp32 (MatMulIntegerToFloat's CPU kernel outputs float32)")
         self.spec = spec
         self.w = weights
         self.opt = options
-        self.bits = QUANT_BITS[options.quantize] if options.quantize else None
+        self.bits = QUANT_BITS.get(options.quantize) if options.quantize else None
+        self.w8a8 = options.quantize == W8A8
+        self._act_q: dict[str, tuple[str, str]] = {}  # W8A8: an activation's (uint8 tensor, row scales)
         self.out_vocab = spec.vocab_size if options.output_ids is None else len(options.output_ids)
         if self.out_vocab != spec.vocab_size and weights.tied:
             raise ValueError("a cut LM head cannot share the embedding table (prune_lm_head unties them)")
@@ -300,8 +307,56 @@ class GraphBuilder:
         return self.g.op("MatMulNBits", [x, packed, scales], hint, domain=MS_DOMAIN, K=k, N=n, bits=self.bits,
                          block_size=self.opt.block_size, accuracy_level=ACCURACY_LEVEL)
 
+    def _per_channel(self, w: np.ndarray, hint: str) -> tuple[str, str]:
+        """W8A8: ``w`` [K, N] -> the names of its int8 [K, N] weight and float32 [N] scales."""
+        g = self.g
+        k, n = w.shape
+        g.num_params += k * n
+        g.unquantized_bytes += k * n * g.np_dtype.itemsize
+        q, scales = quantize_per_channel(w)
+        return g.packed(q, hint + "_q"), g.packed(scales, hint + "_scales")
+
+    def _quantize_rows(self, x: str) -> tuple[str, str]:
+        """W8A8: ``x`` [..., K] -> (uint8, zero point 128; scales [..., 1]), one scale per row.
+
+        Per row, never per tensor (DynamicQuantizeLinear): a per-tensor scale would tie a row's
+        result to the other rows of the call, and greedy speculation would stop being exact.
+        Quantized once per activation: the q/k/v (or gate/up) projections of one input share it.
+        """
+        if x in self._act_q:
+            return self._act_q[x]
+        g = self.g
+        peak = g.op("Abs", [x], "aq_abs")
+        if g.opset >= 18:
+            peak = g.op("ReduceMax", [peak, g.shape([-1], "axes")], "aq_peak", keepdims=1)
+        else:
+            peak = g.op("ReduceMax", [peak], "aq_peak", axes=[-1], keepdims=1)
+        peak = g.op("Max", [peak, g.const(np.array(ACT_EPS, np.float32), "aq_eps")], "aq_floor")
+        scale = g.op("Div", [peak, g.const(np.array(127, np.float32), "aq_127")], "aq_scale")
+        r = g.op("Round", [g.op("Div", [x, scale], "aq_div")], "aq_round")
+        q = g.op("Cast", [g.op("Add", [r, g.const(np.array(128, np.float32), "aq_128")], "aq_shift")], "aq_u8",
+                 to=TensorProto.UINT8)
+        self._act_q[x] = (q, scale)
+        return q, scale
+
+    def _matmul_w8a8(self, x: str, q: str, scales: str, hint: str) -> str:
+        """x @ (q * scales) as an integer GEMM of per-row quantized ``x``, then its row scales."""
+        g = self.g
+        qx, sx = self._quantize_rows(x)
+        zero = g.const(np.array(128, np.uint8), "aq_zero")
+        if self.opt.fused:  # ONNX Runtime's contrib op: the int32 -> float conversion and scales fused
+            y = g.op("MatMulIntegerToFloat", [qx, q, g.const(np.array(1.0, np.float32), "aq_one"), scales, zero],
+                     hint, domain=MS_DOMAIN)
+        else:  # standard ONNX (the portable op set)
+            acc = g.op("MatMulInteger", [qx, q, zero], hint + "_int")
+            y = g.op("Mul", [g.op("Cast", [acc], hint + "_float", to=TensorProto.FLOAT), scales], hint)
+        return g.op("Mul", [y, sx], hint + "_rescale")
+
     def _linear(self, x: str, w: np.ndarray, b: np.ndarray | None, hint: str) -> str:
-        if self.bits:
+        if self.w8a8:
+            q, scales = self._per_channel(w, hint)
+            y = self._matmul_w8a8(x, q, scales, hint)
+        elif self.bits:
             packed, scales = self._quantized(w, hint)
             y = self._matmul_nbits(x, packed, scales, w.shape[0], w.shape[1], hint)
         else:
@@ -730,6 +785,67 @@ class GraphBuilder:
         packed = g.packed_blocks(hint + "_q", np.uint8, (v, k_blocks, blob), packed_blocks())
         return packed, g.packed(np.concatenate(scales).astype(g.np_dtype), hint + "_scales")
 
+    def _vocab_per_channel(self, source, hint: str, fold: float = 1.0) -> tuple[str, str]:
+        """W8A8: the LM head's ``[hidden, V]`` matrix as int8 + one scale per vocabulary entry;
+        a VocabMatrix is read twice in blocks (peaks per entry, then the integers by rows of the
+        MatMul layout): the same bytes as :func:`quantize_per_channel` of the whole matrix."""
+        if not isinstance(source, VocabMatrix):
+            return self._per_channel(source * fold if fold != 1.0 else source, hint)
+        g = self.g
+        v, h = source.shape
+        g.num_params += v * h
+        g.unquantized_bytes += v * h * g.np_dtype.itemsize
+        peaks = np.concatenate([np.abs(source.rows(a, b) * np.float32(fold) if fold != 1.0 else source.rows(a, b))
+                                .max(axis=1) for a, b in _blocks(v, h)])
+        scales = np.where(peaks > 0, peaks / W8A8_WEIGHT_LIMIT, 1.0).astype(np.float32)
+
+        def int_blocks():
+            for a, b in _blocks(h, v):
+                cols = source.columns_t(a, b)
+                if fold != 1.0:
+                    cols = cols * np.float32(fold)
+                yield np.clip(np.rint(cols / scales), -W8A8_WEIGHT_LIMIT, W8A8_WEIGHT_LIMIT).astype(np.int8)
+
+        q = g.packed_blocks(hint + "_q", np.int8, (h, v), int_blocks())
+        return q, g.packed(scales, hint + "_scales")
+
+    def _embedding_w8a8(self, shared: bool) -> str:
+        """W8A8 token embeddings: int8 rows times their scale. Tied: columns of the LM head's
+        [hidden, V] integers (Gather on axis 1 + Transpose); untied: a [V, hidden] int8 table."""
+        g, s, w = self.g, self.spec, self.w
+        if shared:
+            q, scales = self._vocab_per_channel(w.lm_head, "lm_head")
+            self._lm = ("w8a8", q, scales)
+            x = g.op("Gather", [q, "input_ids"], "embed_tokens_q", axis=1)  # [hidden, B, S] int8
+            x = g.op("Transpose", [g.op("Cast", [x], "embed_tokens_f", to=TensorProto.FLOAT)], "embed_tokens_bsh",
+                     perm=[1, 2, 0])
+        else:
+            embed = w.embed
+            if isinstance(embed, VocabMatrix):
+                v, h = embed.shape
+                parts: list[np.ndarray] = []
+
+                def row_blocks():
+                    for a, b in _blocks(v, h):
+                        q_t, sc = quantize_per_channel(embed.rows(a, b).T)
+                        parts.append(sc)
+                        yield np.ascontiguousarray(q_t.T)
+
+                q = g.packed_blocks("embed_q", np.int8, (v, h), row_blocks())
+                scales = g.packed(np.concatenate(parts), "embed_scales")
+                g.num_params += v * h
+                g.unquantized_bytes += v * h * g.np_dtype.itemsize
+            else:
+                q_t, sc = quantize_per_channel(np.asarray(embed).T)
+                g.num_params += q_t.size
+                g.unquantized_bytes += q_t.size * g.np_dtype.itemsize
+                q, scales = g.packed(np.ascontiguousarray(q_t.T), "embed_q"), g.packed(sc, "embed_scales")
+            x = g.op("Cast", [g.op("Gather", [q, "input_ids"], "embed_tokens_q")], "embed_tokens_bsh",
+                     to=TensorProto.FLOAT)
+        row_scale = g.op("Unsqueeze", [g.op("Gather", [scales, "input_ids"], "embed_scale"), g.shape([-1], "axes")],
+                         "embed_scale_col")  # [B, S, 1]
+        return g.op("Mul", [x, row_scale], "embed_tokens")
+
     def _embedding(self) -> str:
         """Token embeddings [B, S, hidden].
 
@@ -743,6 +859,10 @@ class GraphBuilder:
         g, s, w = self.g, self.spec, self.w
         self._lm: tuple | None = None  # the LM head, when the embedding emitted it
         shared = w.tied and w.lm_head_b is None and self._logit_fold() == 1.0
+        if self.w8a8 and self.opt.quantize_embedding:
+            return self._embedding_w8a8(shared)
+        if self.w8a8 and shared:  # a float table for the lookup, the LM head stays W8A8
+            shared = False
         quantized_table = self.bits and self.opt.quantize_embedding and s.hidden_size % self.opt.block_size == 0
         if shared and (quantized_table or not self.bits):
             if self.bits:
@@ -777,12 +897,17 @@ class GraphBuilder:
 
     def _lm_head(self, final: str) -> str:
         g, s, w = self.g, self.spec, self.w
+        if self._lm is not None and self._lm[0] == "w8a8":
+            return self._matmul_w8a8(final, self._lm[1], self._lm[2], "lm_head")
         if self._lm is not None and self._lm[0] == "nbits":
             return self._matmul_nbits(final, self._lm[1], self._lm[2], s.hidden_size, self.out_vocab, "lm_head")
         if self._lm is not None:
             return g.op("MatMul", [final, self._lm[1]], "lm_head")
         fold = self._logit_fold()
-        if self.bits:
+        if self.w8a8:
+            q, scales = self._vocab_per_channel(w.lm_head, "lm_head", fold)
+            y = self._matmul_w8a8(final, q, scales, "lm_head")
+        elif self.bits:
             packed, scales = self._vocab_quantized(w.lm_head, "lm_head", fold)
             y = self._matmul_nbits(final, packed, scales, s.hidden_size, self.out_vocab, "lm_head")
         else:

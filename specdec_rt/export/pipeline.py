@@ -31,7 +31,7 @@ from specdec_rt.export.config_files import read_json_config
 from specdec_rt.export.gguf_source import resolve_checkpoint, source_record
 from specdec_rt.export.draft_vocab import MIN_DRAFT_VOCAB, OUTPUT_IDS_FILE, draft_vocab_ids, prune_lm_head
 from specdec_rt.export.graph import GraphOptions, write_model
-from specdec_rt.export.quantize import BLOCK_SIZES, DEFAULT_BLOCK_SIZE
+from specdec_rt.export.quantize import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, QUANT_SCHEMES, W8A8
 from specdec_rt.runtime.bundle import (CONTRACT_VERSION, FORMAT_NAME, FORMAT_VERSION, MANIFEST,
                                        sha256_file)
 
@@ -43,7 +43,7 @@ BF16_REFUSED = ("--dtype bf16 is not supported: ONNX Runtime's CPU execution pro
 
 
 TARGET_ATTENTION = ("fp64", "native", "fused")
-HEAD_QUANTIZE = ("auto", "none", "int4", "int8")
+HEAD_QUANTIZE = ("auto", "none", "int4", "int8", "w8a8")
 
 
 @dataclass
@@ -93,8 +93,10 @@ class ExportOptions:
             raise ExportError(BF16_REFUSED)
         if self.dtype not in DTYPES:
             raise ExportError(f"--dtype must be fp32 or fp16, not '{self.dtype}'")
-        if self.quantize not in (None, "int4", "int8"):
-            raise ExportError(f"--quantize must be int4 or int8, not '{self.quantize}'")
+        if self.quantize not in (None, *QUANT_SCHEMES):
+            raise ExportError(f"--quantize must be one of {', '.join(QUANT_SCHEMES)}, not '{self.quantize}'")
+        if self.quantize == W8A8 and self.dtype != "fp32":
+            raise ExportError("--quantize w8a8 needs --dtype fp32 (its integer GEMM outputs float32)")
         if not 14 <= self.opset <= 21:
             raise ExportError(f"--opset {self.opset} is outside the supported range 14..21")
         if self.target_attention not in TARGET_ATTENTION:

@@ -15,7 +15,11 @@ from __future__ import annotations
 
 import numpy as np
 
-QUANT_BITS = {"int4": 4, "int8": 8}
+QUANT_BITS = {"int4": 4, "int8": 8}  # weight-only MatMulNBits schemes
+# W8A8: int7 weights per output channel, int8 activations per row, integer GEMM (MatMulIntegerToFloat)
+W8A8 = "w8a8"
+QUANT_SCHEMES = (*QUANT_BITS, W8A8)
+W8A8_WEIGHT_LIMIT = 63  # 7-bit weights: u8 x s8 pairs cannot saturate AVX2's vpmaddubsw (2 * 255 * 63 < 2^15)
 BLOCK_SIZE = 32  # ONNX Runtime's quantizer default, kept for quantize_weights (the reference)
 BLOCK_SIZES = (16, 32, 64, 128)
 # the exporter's default: see ExportOptions.block_size and docs/design.md ("Exactness")
@@ -43,6 +47,31 @@ def quantize_blockwise(weight: np.ndarray, bits: int, block_size: int = BLOCK_SI
     (quantize_matmul_4bits if bits == 4 else quantize_matmul_8bits)(
         packed, w, scales, zero_points, block_size, cols, rows, True)
     return packed, scales
+
+
+def quantize_per_channel(weight: np.ndarray, limit: int = W8A8_WEIGHT_LIMIT) -> tuple[np.ndarray, np.ndarray]:
+    """``weight`` [K, N] (MatMul layout) -> (int8 [K, N] in [-limit, limit], scales float32 [N]).
+
+    Symmetric, one scale per output column: ``weight ~= q * scales``. The W8A8 graphs multiply
+    these integers with per-row int8 activations in int32, so a row's result cannot depend on
+    which other rows share the call (the property that keeps speculation exact without padding).
+    """
+    w = np.asarray(weight, dtype=np.float32)
+    peak = np.abs(w).max(axis=0)
+    scales = np.where(peak > 0, peak / limit, 1.0).astype(np.float32)
+    q = np.clip(np.rint(w / scales), -limit, limit).astype(np.int8)
+    return q, scales
+
+
+def quantize_rows_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The W8A8 graphs' activation quantization, in numpy (tests): per row over the last axis,
+    uint8 with zero point 128; returns (q uint8, scale [..., 1])."""
+    x = np.asarray(x, dtype=np.float32)
+    scale = np.maximum(np.abs(x).max(axis=-1, keepdims=True), np.float32(ACT_EPS)) / np.float32(127)
+    return (np.rint(x / scale) + 128).astype(np.uint8), scale
+
+
+ACT_EPS = 1e-8  # floor of a row's peak, so an all-zero row quantizes to zeros, not NaN
 
 
 def dequantize_blockwise(packed: np.ndarray, scales: np.ndarray, bits: int, k: int) -> np.ndarray:
