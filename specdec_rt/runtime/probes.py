@@ -60,16 +60,54 @@ def probe_row_invariance(engine: EngineBase, widths: tuple[int, ...] = (2, 3, 5,
     elif multi_agree:
         chosen = 2
     else:
-        import warnings
-
-        warnings.warn(
-            f"the {engine.info.role} graph's logits for a token change with the number of rows in "
-            f"the call (widths {usable} disagree) on the {engine.provider} provider: greedy "
-            "speculation may differ from target-only decoding on near-ties", RowInvarianceWarning,
-            stacklevel=2)
+        _warn_rows(engine, f"widths {usable} disagree on the first row")
         chosen = 1
+    if multi_agree:
+        drift = _chain_position_drift(engine, tokens, prefix, min(max(usable), CHAIN_PROBE_ROWS), chosen, sliding)
+        if drift is not None:
+            _warn_rows(engine, f"row {drift} of a verify call differs from decoding that token alone "
+                               "(the kernel's result depends on a row's position in the call)")
     engine.min_rows = chosen
     return chosen
+
+
+CHAIN_PROBE_ROWS = 5  # a K = 4 verify call: the rows speculation commits most
+
+
+def _chain_position_drift(engine: EngineBase, tokens: np.ndarray, prefix: int, width: int, min_rows: int,
+                          sliding) -> int | None:
+    """The first row of a ``width``-row chain call whose logits differ from decoding its token
+    one call at a time (padded to ``min_rows``), or None. The first-row check above cannot see
+    a kernel whose result depends on the row's position in the call (MatMulNBits at some block
+    sizes on some CPUs): that would break exactness with every row count alike."""
+    saved = engine.min_rows
+    engine.min_rows = min_rows
+    try:
+        engine.reset()
+        pos = np.arange(prefix, dtype=np.int64)
+        engine.forward(tokens[:prefix], pos, causal_mask(0, pos, sliding))
+        engine.commit(prefix)
+        pos = np.arange(prefix, prefix + width, dtype=np.int64)
+        chain = engine.forward(tokens[prefix:prefix + width], pos, causal_mask(prefix, pos, sliding)).copy()
+        for r in range(width):
+            p = np.array([prefix + r], dtype=np.int64)
+            alone = engine.forward(tokens[prefix + r:prefix + r + 1], p, causal_mask(prefix + r, p, sliding))[0]
+            if not np.array_equal(alone, chain[r]):
+                return r
+            engine.commit(1)
+        return None
+    finally:
+        engine.reset()
+        engine.min_rows = saved
+
+
+def _warn_rows(engine: EngineBase, what: str) -> None:
+    import warnings
+
+    warnings.warn(
+        f"the {engine.info.role} graph's logits for a token change with the rows of its call ({what}) on "
+        f"the {engine.provider} provider: greedy speculation may differ from target-only decoding on "
+        "near-ties", RowInvarianceWarning, stacklevel=3)
 
 
 def probe_batch_invariance(engine: EngineBase, seed: int = 0, warn: bool = True) -> bool:
