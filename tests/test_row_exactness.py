@@ -46,8 +46,10 @@ def quant_bundles(tmp_path_factory) -> dict:
     for name, quant, attention in (("fp32", None, "fp64"), ("int4", "int4", "fp64"), ("w8a8", "w8a8", "fp64"),
                                    ("fused", None, "fused")):
         out[name] = base / name
+        # w8a8: the target's integer GEMMs with an int4 draft (--draft-quantize), as deployed
         export_pair(target, draft, out[name], ExportOptions(progress=False, quantize=quant, quantize_roles=("target",),
-                                                            target_attention=attention))
+                                                            target_attention=attention,
+                                                            draft_quantize="int4" if quant == "w8a8" else "auto"))
     return out
 
 
@@ -147,6 +149,8 @@ def test_w8a8_graph_is_what_it_claims(quant_bundles):
     model = onnx.load(str(quant_bundles["w8a8"] / "target" / "model.onnx"), load_external_data=False)
     ops = {n.op_type for n in model.graph.node}
     assert "MatMulIntegerToFloat" in ops and "MatMulNBits" not in ops
+    assert (target["quantization"], manifest["models"]["draft"]["quantization"]) == ("w8a8", "int4")
+    assert target["quant_block_size"] is None  # one scale per output channel
     quality = target["validation"]["quantized"]
     int4 = json.loads((quant_bundles["int4"] / "manifest.json").read_text())["models"]["target"]["validation"]["quantized"]
     assert quality["decode_vs_verify_error"] == 0.0

@@ -92,6 +92,40 @@ def test_spec_bench_with_onnxruntime_genai(spec_bench_files, tmp_path):
     assert rows["onnxruntime-genai spec K=2"]["identical_to_own_target_only"]
 
 
+def test_baseline_bundle_joins_the_baselines(spec_bench_files, tmp_path):
+    """--baseline-bundle: another export of the same checkpoint (here w8a8 beside the float one)
+    runs target-only in the same run as a family of its own, and speedups are over the fastest
+    target-only of either; a bundle whose tokens differ is refused before any run."""
+    from specdec_rt.export.pipeline import ExportOptions, export_pair
+
+    other = tmp_path / "w8a8"
+    export_pair(spec_bench_files["ckpt"], spec_bench_files["ckpt"], other,
+                ExportOptions(progress=False, quantize="w8a8", validate=False))
+    out = tmp_path / "sb"
+    rc = main(["--bundle", str(spec_bench_files["bundle"]), "--suite", "spec-bench", str(spec_bench_files["questions"]),
+               "--categories", "coding,rag", "--questions-per-category", "1", "--max-new-tokens", "8", "--k", "2",
+               "--drafter", "model", "--no-auto", "--no-tree", "--baseline-bundle", str(other), "--repeats", "1",
+               "--threads", "1", "--out", str(out), "--quiet"])
+    assert rc == 0
+    rows = {r["system"]: r for r in json.loads((out / "spec_bench.json").read_text())["overall"]}
+    extra = rows["target-only [w8a8]"]
+    assert extra["family"] == "ours [w8a8]" and extra["tokens"] == 16 and extra["identical_to_own_target_only"]
+    fastest = min(rows["target-only"]["seconds"], extra["seconds"])
+    assert rows["model K=2"]["speedup"] == pytest.approx(fastest / rows["model K=2"]["seconds"])
+    assert max(rows["target-only"]["speedup"], extra["speedup"]) == pytest.approx(1.0)
+
+    foreign = tmp_path / "foreign"
+    ckpt = make_chat_checkpoint(tmp_path / "ckpt2", "llama3")
+    export_pair(ckpt, ckpt, foreign, ExportOptions(progress=False, validate=False))
+    with pytest.raises(GenerationInputError, match="other tokens"):
+        from specdec_rt.bench.spec_bench import SpecBenchConfig, run_spec_bench
+
+        run_spec_bench(SpecBenchConfig(bundle=str(spec_bench_files["bundle"]), questions=str(spec_bench_files["questions"]),
+                                       categories=["coding"], per_category=1, max_new_tokens=4, ks=[], drafters=[],
+                                       auto=False, tree=False, threads=1, progress=False,
+                                       baseline_bundles=[str(foreign)]))
+
+
 def test_bad_suite_arguments(spec_bench_files, tmp_path, capsys):
     rc = main(["--bundle", str(spec_bench_files["bundle"]), "--suite", "mt-bench", "--out", str(tmp_path)])
     assert rc == 1

@@ -44,6 +44,10 @@ class SpecBenchConfig:
     gguf_target: str | None = None
     gguf_draft: str | None = None
     progress: bool = True
+    # other bundles of the same checkpoint (e.g. its int4 export beside a w8a8 one) whose
+    # target-only decoding, on its one-row kernel, joins the baselines: speedups are then over
+    # the fastest target-only of any of our bundles, measured in the same run
+    baseline_bundles: list[str] = field(default_factory=list)
 
 
 def load_questions(path: str, categories: list[str] | None, per_category: int) -> list[Question]:
@@ -92,6 +96,27 @@ class OurSystem(System):
         s = g.last_stats
         return Outcome(out, dt, ttft=s.time_prefill, target_calls=s.target_calls, proposed=s.proposed,
                        accepted=s.accepted)
+
+
+def baseline_systems(cfg: SpecBenchConfig, texts: list[str], prompts: list[list[int]]) -> list[System]:
+    """Target-only decoding of each ``cfg.baseline_bundles`` bundle on its one-row kernel (the
+    fastest way to run it; its exactness padding only matters for speculation), as a family of
+    its own: its outputs are compared with its own, other weights give other tokens."""
+    import specdec_rt
+
+    systems: list[System] = []
+    for path in cfg.baseline_bundles:
+        other = specdec_rt.load(path, threads=cfg.threads, shared_thread_pool=True)
+        mine = [other.apply_chat_template([{"role": "user", "content": t}], tokenize=True) for t in texts]
+        if other.bundle.chat_template is None or mine != prompts:
+            raise GenerationInputError(f"--baseline-bundle {path}: its tokenizer or chat template turns the "
+                                       "prompts into other tokens than the bundle's (it must be an export "
+                                       "of the same checkpoint)")
+        label = Path(path).name
+        system = OurSystem(other, f"target-only [{label}]", None, 0, min_rows=1)
+        system.family = f"ours [{label}]"
+        systems.append(system)
+    return systems
 
 
 class GenaiSystem(System):
@@ -159,6 +184,8 @@ def run_spec_bench(cfg: SpecBenchConfig) -> dict:
                                    f"({gen.max_length} positions with {cfg.max_new_tokens} new tokens): "
                                    "load with a larger max_context or lower --max-new-tokens")
     systems = our_systems(cfg, gen)
+    questions_text = [q.text for q in questions]
+    systems += baseline_systems(cfg, questions_text, prompts)
     skipped, closers = [], []
     longest = max(len(p) for p in prompts) + cfg.max_new_tokens
     for peer in cfg.peers:
@@ -227,7 +254,7 @@ def summarize(cfg, questions, prompts, systems, runs, gen, skipped, peak_rss_mb)
     for s in systems:  # the first base of each family: ours is the padded exactness reference
         if s.is_base:
             base_of.setdefault(s.family, s.name)
-    ours_bases = [s.name for s in systems if s.family == "ours" and s.is_base]
+    ours_bases = [s.name for s in systems if s.family.startswith("ours") and s.is_base]
 
     def rows_for(indices: list[int]) -> list[dict]:
         aggs = {s.name: _agg([o for i in indices for o in runs[s.name][i]]) for s in systems}

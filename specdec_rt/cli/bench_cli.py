@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--categories", default=None, help="with --suite spec-bench: categories, comma separated (default all)")
     ap.add_argument("--questions-per-category", type=int, default=2,
                     help="with --suite spec-bench: the first N questions of each category (default 2)")
+    ap.add_argument("--baseline-bundle", default=None, metavar="BUNDLES",
+                    help="with --suite spec-bench: other bundles of the same checkpoint (comma separated), whose "
+                         "target-only decoding on its one-row kernel joins the baselines: speedups are over "
+                         "the fastest target-only of any of them (e.g. a w8a8 bundle against the int4 export)")
     ap.add_argument("--peer-k", default="4", help="with --suite: the peers' draft lengths, comma separated")
     ap.add_argument("--gguf-target", default=None,
                     help="llama.cpp peer: the target's GGUF file (default: the bundle's source, if it was a GGUF)")
@@ -133,7 +137,7 @@ def _suite(args, argv) -> int:
         auto=not args.no_auto, tree=not args.no_tree, peers=_csv(args.peers),
         peer_ks=[int(k) for k in _csv(args.peer_k)], repeats=args.repeats, threads=args.threads,
         peer_cache=args.peer_cache, gguf_target=args.gguf_target, gguf_draft=args.gguf_draft,
-        progress=not args.quiet)
+        progress=not args.quiet, baseline_bundles=_csv(args.baseline_bundle) if args.baseline_bundle else [])
     return _finish(spec_bench.run_spec_bench(cfg), spec_bench.write, args.out, argv)
 
 

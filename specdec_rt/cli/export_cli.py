@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "its scheme, or float if --quantize-models leaves out head) or --portable (float: "
                          "MatMulNBits is a contrib op); the head only proposes, so "
                          "this never changes the output, and int4 makes a head call ~2-3x cheaper in the loop")
+    ap.add_argument("--draft-quantize", default="auto", choices=["auto", "int4", "int8", "w8a8", "none"],
+                    help="the draft model's weights: auto (default) = as --quantize / --quantize-models; e.g. "
+                         "--quantize w8a8 --draft-quantize int4: a row-invariant target with a flat verify and a "
+                         "draft at half the bytes per call (the draft only proposes: output unchanged)")
     ap.add_argument("--float-embedding", action="store_true",
                     help="with --quantize: keep the embedding table in the graph dtype (larger, no "
                          "quantization error on the lookup)")
@@ -99,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             validate=not args.no_validate, progress=not args.quiet, quantize_embedding=not args.float_embedding,
             gguf_cache=args.gguf_cache,
             block_size=args.block_size, draft_vocab=args.draft_vocab, draft_head=args.draft_head,
-            head_quantize=args.head_quantize,
+            head_quantize=args.head_quantize, draft_quantize=args.draft_quantize,
         )
         manifest = export_pair(args.target, args.draft, args.out, opts)
         if args.trt:

@@ -40,6 +40,7 @@ from specdec_rt.errors import ExportError, ValidationError
 from specdec_rt.export.arch import ArchSpec, LayerWeights, ModelWeights, VocabMatrix
 from specdec_rt.export.config_files import read_json_config
 from specdec_rt.export.graph import GraphBuilder, GraphOptions, WrittenGraph, write_graph
+from specdec_rt.export.quantize import QUANT_BITS
 
 HEAD_DIR = "head"
 FAMILY = "eagle3"
@@ -451,7 +452,7 @@ def export_head(head, source: str, out_dir, *, max_positions: int, fused: bool =
         "feature_layers": list(cfg.feature_layers),
         "features_dim": len(cfg.feature_layers) * cfg.target_hidden_size,
         "quantization": quantize,
-        "quant_block_size": block_size if quantize else None,
+        "quant_block_size": block_size if quantize in QUANT_BITS else None,  # w8a8: per channel
         "opset": graphs.model.opset,
         "fused_ops": fused,
         "fused_attention": graphs.options.fused_attention,

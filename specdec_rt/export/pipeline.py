@@ -31,7 +31,7 @@ from specdec_rt.export.config_files import read_json_config
 from specdec_rt.export.gguf_source import resolve_checkpoint, source_record
 from specdec_rt.export.draft_vocab import MIN_DRAFT_VOCAB, OUTPUT_IDS_FILE, draft_vocab_ids, prune_lm_head
 from specdec_rt.export.graph import GraphOptions, write_model
-from specdec_rt.export.quantize import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, QUANT_SCHEMES, W8A8
+from specdec_rt.export.quantize import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, QUANT_BITS, QUANT_SCHEMES, W8A8
 from specdec_rt.runtime.bundle import (CONTRACT_VERSION, FORMAT_NAME, FORMAT_VERSION, MANIFEST,
                                        sha256_file)
 
@@ -87,6 +87,11 @@ class ExportOptions:
     # "EAGLE-3 heads: runtime"); else the --quantize scheme, or float when --quantize-models leaves
     # it out; "none" / "int4" / "int8" choose it outright
     head_quantize: str = "auto"
+    # the draft model's weights when they should differ from ``quantize``: "auto" = as ``quantize``
+    # (and ``quantize_roles``); "none" / "int4" / "int8" / "w8a8" outright. The draft only
+    # proposes, so e.g. a w8a8 target (row-invariant, flat verify) with an int4 draft (half the
+    # bytes per call) keeps the output exact (docs/design.md, "Exactness")
+    draft_quantize: str = "auto"
 
     def check(self) -> None:
         if self.dtype == "bf16":
@@ -106,6 +111,8 @@ class ExportOptions:
             raise ExportError(f"--block-size must be one of {', '.join(map(str, BLOCK_SIZES))}, not {self.block_size}")
         if self.draft_vocab is not None and self.draft_vocab < MIN_DRAFT_VOCAB:
             raise ExportError(f"--draft-vocab must be at least {MIN_DRAFT_VOCAB}, not {self.draft_vocab}")
+        if self.draft_quantize not in HEAD_QUANTIZE:
+            raise ExportError(f"--draft-quantize must be one of {', '.join(HEAD_QUANTIZE)}, not '{self.draft_quantize}'")
         if self.head_quantize not in HEAD_QUANTIZE:
             raise ExportError(f"--head-quantize must be one of {', '.join(HEAD_QUANTIZE)}, not '{self.head_quantize}'")
         if self.max_context is not None and self.max_context < 16:
@@ -556,7 +563,7 @@ def export_model(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, role
     stages = stages or _Stages(4, False)
     out = Path(out_dir) / role
     out.mkdir(parents=True, exist_ok=True)
-    quant = options.quantize if role in options.quantize_roles else None
+    quant = role_quantization(options, role)
 
     stages.start(f"load {role}")
     model = _load_torch_model(ckpt)
@@ -641,7 +648,7 @@ def export_model(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, role
         "sliding_window": spec.sliding_window,  # the runtime's masks apply it (every layer)
         "graph_windows": spec.layer_windows,  # per-layer windows the graph applies itself; informational
         "quantization": quant,
-        "quant_block_size": graph_opts.block_size if quant else None,
+        "quant_block_size": graph_opts.block_size if quant in QUANT_BITS else None,  # w8a8: per channel
         # a draft whose LM head was cut: the tokens it may propose (int64 .npy beside the graph;
         # the graph's logits stay [B, S, V], -inf outside them)
         "output_ids": None if output_ids is None else f"{role}/{OUTPUT_IDS_FILE}",
@@ -721,6 +728,13 @@ def export_pair(target: str | os.PathLike, draft: str | os.PathLike | None, out:
         shutil.rmtree(work, ignore_errors=True)
         raise
     return manifest
+
+
+def role_quantization(options: ExportOptions, role: str) -> str | None:
+    """The scheme a target's or draft's weights get (``quantize``, ``quantize_roles``, ``draft_quantize``)."""
+    if role == "draft" and options.draft_quantize != "auto":
+        return None if options.draft_quantize == "none" else options.draft_quantize
+    return options.quantize if role in options.quantize_roles else None
 
 
 def head_quantization(options: ExportOptions) -> str | None:
