@@ -248,3 +248,25 @@ def test_batched_rows_equal_rows_alone_bit_for_bit(quant_bundles, precision):
     for k in (3, "auto"):
         out = gen.generate_batch(prompts, max_new_tokens=30, batch_size=4, num_draft_tokens=k, ignore_eos=True)
         assert [r.token_ids for r in out] == base, k
+
+
+def test_portable_w8a8_is_standard_onnx_and_row_invariant(tmp_path):
+    """--portable --quantize w8a8: MatMulInteger + Cast + Mul (standard ONNX, e.g. for TensorRT
+    or other runtimes) instead of the contrib op, with the same row invariance."""
+    import onnx
+
+    import specdec_rt
+    from specdec_rt.export.pipeline import ExportOptions, export_pair
+
+    target = make_tiny_vocab_checkpoint(_qwen2_config(64, 1), tmp_path / "t", seed=21, scale=0.08)
+    out = tmp_path / "bundle"
+    export_pair(target, target, out, ExportOptions(progress=False, quantize="w8a8", portable=True,
+                                                    quantize_roles=("target",)))
+    model = onnx.load(str(out / "target" / "model.onnx"), load_external_data=False)
+    assert {n.domain for n in model.graph.node} <= {"", "ai.onnx"}
+    assert "MatMulInteger" in {n.op_type for n in model.graph.node}
+    gen = specdec_rt.load(out, threads=2)
+    assert gen.target.min_rows == 1
+    prompt = list(range(5, 15))
+    base = gen.generate_ids(prompt, max_new_tokens=24, drafter=None, ignore_eos=True)
+    assert gen.generate_ids(prompt, max_new_tokens=24, num_draft_tokens=3, ignore_eos=True) == base

@@ -10,6 +10,10 @@ lookups), whose default zero point for uint8 data is the same 2^(bits-1).
 
 ``quantize_weights`` (the whole-model quantizer on an in-memory ModelProto) is kept for
 comparison; it needs the full float model in memory and cannot load graphs over 2 GB.
+
+W8A8 (``quantize_per_channel``; the graph quantizes activations) is the other family: 7-bit weights with
+one scale per output channel, multiplied in an integer GEMM with activations the graph quantizes
+per row, so no row's result depends on the call's other rows (docs/design.md, "Exactness").
 """
 from __future__ import annotations
 
@@ -61,14 +65,6 @@ def quantize_per_channel(weight: np.ndarray, limit: int = W8A8_WEIGHT_LIMIT) -> 
     scales = np.where(peak > 0, peak / limit, 1.0).astype(np.float32)
     q = np.clip(np.rint(w / scales), -limit, limit).astype(np.int8)
     return q, scales
-
-
-def quantize_rows_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The W8A8 graphs' activation quantization, in numpy (tests): per row over the last axis,
-    uint8 with zero point 128; returns (q uint8, scale [..., 1])."""
-    x = np.asarray(x, dtype=np.float32)
-    scale = np.maximum(np.abs(x).max(axis=-1, keepdims=True), np.float32(ACT_EPS)) / np.float32(127)
-    return (np.rint(x / scale) + 128).astype(np.uint8), scale
 
 
 ACT_EPS = 1e-8  # floor of a row's peak, so an all-zero row quantizes to zeros, not NaN
