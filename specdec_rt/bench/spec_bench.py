@@ -82,9 +82,9 @@ def load_questions(path: str, categories: list[str] | None, per_category: int) -
 
 class OurSystem(System):
     def __init__(self, gen, name: str, drafter: str | None, k, speculation: str = "chain",
-                 min_rows: int | None = None) -> None:
+                 min_rows: int | None = None, family: str = "ours") -> None:
         self.gen, self.name, self.drafter, self.k, self.speculation = gen, name, drafter, k, speculation
-        self.family, self.is_base, self.min_rows = "ours", drafter is None, min_rows
+        self.family, self.is_base, self.min_rows = family, drafter is None, min_rows
 
     def run(self, question, ids, text, n) -> Outcome:
         g = self.gen
@@ -98,7 +98,7 @@ class OurSystem(System):
                        accepted=s.accepted)
 
 
-def baseline_systems(cfg: SpecBenchConfig, texts: list[str], prompts: list[list[int]]) -> list[System]:
+def baseline_systems(cfg: SpecBenchConfig, questions: list[Question], prompts: list[list[int]]) -> list[System]:
     """Target-only decoding of each ``cfg.baseline_bundles`` bundle on its one-row kernel (the
     fastest way to run it; its exactness padding only matters for speculation), as a family of
     its own: its outputs are compared with its own, other weights give other tokens."""
@@ -107,15 +107,13 @@ def baseline_systems(cfg: SpecBenchConfig, texts: list[str], prompts: list[list[
     systems: list[System] = []
     for path in cfg.baseline_bundles:
         other = specdec_rt.load(path, threads=cfg.threads, shared_thread_pool=True)
-        mine = [other.apply_chat_template([{"role": "user", "content": t}], tokenize=True) for t in texts]
+        mine = [other.apply_chat_template([{"role": "user", "content": q.text}], tokenize=True) for q in questions]
         if other.bundle.chat_template is None or mine != prompts:
             raise GenerationInputError(f"--baseline-bundle {path}: its tokenizer or chat template turns the "
                                        "prompts into other tokens than the bundle's (it must be an export "
                                        "of the same checkpoint)")
         label = Path(path).name
-        system = OurSystem(other, f"target-only [{label}]", None, 0, min_rows=1)
-        system.family = f"ours [{label}]"
-        systems.append(system)
+        systems.append(OurSystem(other, f"target-only [{label}]", None, 0, min_rows=1, family=f"ours [{label}]"))
     return systems
 
 
@@ -184,8 +182,7 @@ def run_spec_bench(cfg: SpecBenchConfig) -> dict:
                                    f"({gen.max_length} positions with {cfg.max_new_tokens} new tokens): "
                                    "load with a larger max_context or lower --max-new-tokens")
     systems = our_systems(cfg, gen)
-    questions_text = [q.text for q in questions]
-    systems += baseline_systems(cfg, questions_text, prompts)
+    systems += baseline_systems(cfg, questions, prompts)
     skipped, closers = [], []
     longest = max(len(p) for p in prompts) + cfg.max_new_tokens
     for peer in cfg.peers:

@@ -216,13 +216,16 @@ class _Graph:
         self._add(arr, name)
         return name
 
+    def count_weights(self, n: int) -> None:
+        """Count ``n`` weights stored in another form (blocks, quantized) as float parameters."""
+        self.num_params += n
+        self.unquantized_bytes += n * self.np_dtype.itemsize
+
     def const_blocks(self, hint: str, shape: tuple[int, ...], blocks) -> str:
         """A float weight of ``shape`` produced as consecutive blocks along axis 0 (each converted
         to the graph dtype and written before the next exists)."""
         name = self.name(hint)
-        n = int(np.prod(shape, dtype=np.int64))
-        self.num_params += n
-        self.unquantized_bytes += n * self.np_dtype.itemsize
+        self.count_weights(int(np.prod(shape, dtype=np.int64)))
         converted = (self._float(np.asarray(b), hint) for b in blocks)
         if self.writer is None:
             self.inits.append(numpy_helper.from_array(np.concatenate(list(converted)).reshape(shape), name))
@@ -298,8 +301,7 @@ class GraphBuilder:
         """Quantize ``w`` [K, N]; return the names of the packed weights and the scales."""
         g = self.g
         k, n = w.shape
-        g.num_params += k * n
-        g.unquantized_bytes += k * n * g.np_dtype.itemsize
+        g.count_weights(k * n)
         packed, scales = quantize_blockwise(w, self.bits, self.opt.block_size)
         return g.packed(packed, hint + "_q"), g.packed(scales.astype(g.np_dtype), hint + "_scales")
 
@@ -311,8 +313,7 @@ class GraphBuilder:
         """W8A8: ``w`` [K, N] -> the names of its int8 [K, N] weight and float32 [N] scales."""
         g = self.g
         k, n = w.shape
-        g.num_params += k * n
-        g.unquantized_bytes += k * n * g.np_dtype.itemsize
+        g.count_weights(k * n)
         q, scales = quantize_per_channel(w)
         return g.packed(q, hint + "_q"), g.packed(scales, hint + "_scales")
 
@@ -767,8 +768,7 @@ class GraphBuilder:
             return self._quantized(source * fold if fold != 1.0 else source, hint)
         g = self.g
         v, h = source.shape
-        g.num_params += v * h
-        g.unquantized_bytes += v * h * g.np_dtype.itemsize
+        g.count_weights(v * h)
         bs = self.opt.block_size
         k_blocks, blob = (h + bs - 1) // bs, bs * self.bits // 8
         scales: list[np.ndarray] = []
@@ -793,8 +793,7 @@ class GraphBuilder:
             return self._per_channel(source * fold if fold != 1.0 else source, hint)
         g = self.g
         v, h = source.shape
-        g.num_params += v * h
-        g.unquantized_bytes += v * h * g.np_dtype.itemsize
+        g.count_weights(v * h)
         peaks = np.concatenate([np.abs(source.rows(a, b) * np.float32(fold) if fold != 1.0 else source.rows(a, b))
                                 .max(axis=1) for a, b in _blocks(v, h)])
         scales = np.where(peaks > 0, peaks / W8A8_WEIGHT_LIMIT, 1.0).astype(np.float32)
@@ -812,7 +811,7 @@ class GraphBuilder:
     def _embedding_w8a8(self, shared: bool) -> str:
         """W8A8 token embeddings: int8 rows times their scale. Tied: columns of the LM head's
         [hidden, V] integers (Gather on axis 1 + Transpose); untied: a [V, hidden] int8 table."""
-        g, s, w = self.g, self.spec, self.w
+        g, w = self.g, self.w
         if shared:
             q, scales = self._vocab_per_channel(w.lm_head, "lm_head")
             self._lm = ("w8a8", q, scales)
@@ -821,25 +820,19 @@ class GraphBuilder:
                      perm=[1, 2, 0])
         else:
             embed = w.embed
-            if isinstance(embed, VocabMatrix):
-                v, h = embed.shape
-                parts: list[np.ndarray] = []
+            rows = embed.rows if isinstance(embed, VocabMatrix) else (lambda a, b: np.asarray(embed[a:b]))
+            v, h = embed.shape
+            g.count_weights(v * h)
+            parts: list[np.ndarray] = []
 
-                def row_blocks():
-                    for a, b in _blocks(v, h):
-                        q_t, sc = quantize_per_channel(embed.rows(a, b).T)
-                        parts.append(sc)
-                        yield np.ascontiguousarray(q_t.T)
+            def row_blocks():  # a scale per token: per output channel of the table's transpose
+                for a, b in _blocks(v, h):
+                    q_t, sc = quantize_per_channel(rows(a, b).T)
+                    parts.append(sc)
+                    yield np.ascontiguousarray(q_t.T)
 
-                q = g.packed_blocks("embed_q", np.int8, (v, h), row_blocks())
-                scales = g.packed(np.concatenate(parts), "embed_scales")
-                g.num_params += v * h
-                g.unquantized_bytes += v * h * g.np_dtype.itemsize
-            else:
-                q_t, sc = quantize_per_channel(np.asarray(embed).T)
-                g.num_params += q_t.size
-                g.unquantized_bytes += q_t.size * g.np_dtype.itemsize
-                q, scales = g.packed(np.ascontiguousarray(q_t.T), "embed_q"), g.packed(sc, "embed_scales")
+            q = g.packed_blocks("embed_q", np.int8, (v, h), row_blocks())
+            scales = g.packed(np.concatenate(parts), "embed_scales")
             x = g.op("Cast", [g.op("Gather", [q, "input_ids"], "embed_tokens_q")], "embed_tokens_bsh",
                      to=TensorProto.FLOAT)
         row_scale = g.op("Unsqueeze", [g.op("Gather", [scales, "input_ids"], "embed_scale"), g.shape([-1], "axes")],

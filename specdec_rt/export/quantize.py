@@ -24,6 +24,7 @@ QUANT_BITS = {"int4": 4, "int8": 8}  # weight-only MatMulNBits schemes
 W8A8 = "w8a8"
 QUANT_SCHEMES = (*QUANT_BITS, W8A8)
 W8A8_WEIGHT_LIMIT = 63  # 7-bit weights: u8 x s8 pairs cannot saturate AVX2's vpmaddubsw (2 * 255 * 63 < 2^15)
+ACT_EPS = 1e-8  # W8A8: floor of an activation row's peak, so an all-zero row quantizes to zeros, not NaN
 BLOCK_SIZE = 32  # ONNX Runtime's quantizer default, kept for quantize_weights (the reference)
 BLOCK_SIZES = (16, 32, 64, 128)
 # the exporter's default: see ExportOptions.block_size and docs/design.md ("Exactness")
@@ -65,9 +66,6 @@ def quantize_per_channel(weight: np.ndarray, limit: int = W8A8_WEIGHT_LIMIT) -> 
     scales = np.where(peak > 0, peak / limit, 1.0).astype(np.float32)
     q = np.clip(np.rint(w / scales), -limit, limit).astype(np.int8)
     return q, scales
-
-
-ACT_EPS = 1e-8  # floor of a row's peak, so an all-zero row quantizes to zeros, not NaN
 
 
 def dequantize_blockwise(packed: np.ndarray, scales: np.ndarray, bits: int, k: int) -> np.ndarray:

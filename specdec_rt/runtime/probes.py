@@ -43,9 +43,7 @@ def probe_row_invariance(engine: EngineBase, widths: tuple[int, ...] = (2, 3, 5,
     engine.min_rows = 1
     try:
         engine.reset()
-        pos = np.arange(prefix, dtype=np.int64)
-        engine.forward(tokens[:prefix], pos, causal_mask(0, pos, sliding))
-        engine.commit(prefix)
+        engine.extend(tokens[:prefix])
         rows = {}
         for s in (1, *usable):
             pos = np.arange(prefix, prefix + s, dtype=np.int64)
@@ -84,17 +82,12 @@ def _chain_position_drift(engine: EngineBase, tokens: np.ndarray, prefix: int, w
     engine.min_rows = min_rows
     try:
         engine.reset()
-        pos = np.arange(prefix, dtype=np.int64)
-        engine.forward(tokens[:prefix], pos, causal_mask(0, pos, sliding))
-        engine.commit(prefix)
+        engine.extend(tokens[:prefix])
         pos = np.arange(prefix, prefix + width, dtype=np.int64)
         chain = engine.forward(tokens[prefix:prefix + width], pos, causal_mask(prefix, pos, sliding)).copy()
-        for r in range(width):
-            p = np.array([prefix + r], dtype=np.int64)
-            alone = engine.forward(tokens[prefix + r:prefix + r + 1], p, causal_mask(prefix + r, p, sliding))[0]
-            if not np.array_equal(alone, chain[r]):
+        for r in range(width):  # decoding: one token per call, each committed
+            if not np.array_equal(engine.step(int(tokens[prefix + r])), chain[r]):
                 return r
-            engine.commit(1)
         return None
     finally:
         engine.reset()
