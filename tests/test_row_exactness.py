@@ -137,6 +137,43 @@ def test_w8a8_one_row_calls_need_no_padding(quant_bundles):
         assert np.array_equal(one, eng.forward(toks[3:3 + width], pos, causal_mask(3, pos))[0])
 
 
+@pytest.mark.parametrize("precision", ["fp32", "int4", "w8a8", "fused"])
+def test_prefill_keeps_only_the_last_rows_and_their_bits(quant_bundles, precision):
+    """``logits_to_keep`` (a prefill computes its last rows' logits only): the kept rows are the
+    bits of the same rows in a full call, the optional input's default keeps every row, and
+    ``extend`` (a prompt, in chunks) ends on the logits a full call gives its last token."""
+    import specdec_rt
+    from specdec_rt.runtime.masks import causal_mask
+
+    gen = specdec_rt.load(quant_bundles[precision], threads=1)
+    for eng in (gen.target, gen.draft_engine):
+        assert eng.keeps_last_rows
+        toks = np.array([3, 30, 300, 7, 70, 77, 400, 5, 50])
+        pos = np.arange(len(toks))
+        eng.reset()
+        full = eng.forward(toks, pos, causal_mask(0, pos)).copy()
+        assert full.shape[0] == len(toks)  # the default: every row
+        # (an unprobed int4 draft's one-row kernel gives other bits: the draft only proposes)
+        for rows in sorted({max(1, eng.min_rows) if eng is gen.target else 2, 2, 4}):
+            kept = eng.forward_last(toks, pos, causal_mask(0, pos), rows).copy()
+            assert kept.shape[0] == rows
+            assert np.array_equal(kept, full[-rows:]), (eng.info.role, rows)
+        eng.reset()
+        row = eng.extend(toks)
+        assert eng.length == len(toks)
+        if eng is not gen.target:  # one kept row of an int4 draft: its one-row kernel's bits
+            assert np.allclose(row, full[-1], atol=1e-3 * np.abs(full[-1]).max())
+            continue
+        assert np.array_equal(row, full[-1])
+        eng.reset()  # in chunks: the last chunk's kept row is its row in a full call of that chunk
+        eng.forward(toks[:5], pos[:5], causal_mask(0, pos[:5]))
+        eng.commit(5)
+        last = eng.forward(toks[5:], pos[5:], causal_mask(5, pos[5:]))[-1].copy()
+        eng.reset()
+        assert np.array_equal(eng.extend(toks, chunk=5), last)
+        eng.reset()
+
+
 def test_w8a8_graph_is_what_it_claims(quant_bundles):
     """The W8A8 target: integer GEMMs (no MatMulNBits), its decode and verify rows bit-equal at
     export validation, and closer to the PyTorch model than the int4 graph of the same weights."""

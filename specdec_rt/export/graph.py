@@ -701,7 +701,7 @@ class GraphBuilder:
                     pending, _ = self._norm(pending, None, lw.post_mlp_norm_w, None, p + "_post_mlp_norm")
 
         final, layer_out[s.num_layers - 1] = self._norm(residual, pending, w.final_norm_w, w.final_norm_b, "final_norm")
-        logits = self._lm_head(final)
+        logits = self._lm_head(self._kept_rows(final, inputs))
         if s.final_softcap:  # tanh(logits / c) * c, the 1/c folded into lm_head
             logits = g.op("Mul", [g.op("Tanh", [logits], "logits_tanh"),
                                   g.const(np.array(s.final_softcap), "final_softcap")], "logits_capped")
@@ -717,6 +717,19 @@ class GraphBuilder:
             outputs.append(self._features(layer_out))
 
         return self.finish(f"specdec_{s.family}", inputs, outputs)
+
+    def _kept_rows(self, final: str, inputs: list) -> str:
+        """The rows of ``final`` the LM head sees: the last ``logits_to_keep`` (transformers' name),
+        every row when it is 0, its default. A prefill needs its last row's logits only, and the
+        LM head is ~15% of a prefill's work at a 152k vocabulary (and [S, V] floats of output);
+        verify and tree calls leave the default. An input with an initializer is optional in
+        ONNX (IR >= 4), so callers that do not know it, and older bundles' callers, are unchanged."""
+        g = self.g
+        inputs.append(helper.make_tensor_value_info("logits_to_keep", TensorProto.INT64, [1]))
+        g.inits.append(numpy_helper.from_array(np.zeros(1, dtype=np.int64), "logits_to_keep"))
+        start = g.op("Neg", ["logits_to_keep"], "keep_from")
+        return g.op("Slice", [final, start, g.shape([np.iinfo(np.int64).max], "keep_end"),
+                              g.shape([1], "keep_axis")], "kept_rows")
 
     def finish(self, name: str, inputs: list, outputs: list):
         """The ModelProto of what was emitted: opsets (the contrib domain when used) and the IR

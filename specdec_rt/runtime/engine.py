@@ -86,6 +86,8 @@ class OrtEngine(BatchCalls, EngineBase):
         self._zeros = np.zeros(max_len, dtype=np.float32)
         self._past_names = [(pk, pv) for pk, pv, _, _ in self._names]
         self._feeds: dict = {}  # the host path's feed dict, reused (see _forward_run)
+        self._contract_feeds = {"input_ids", "position_ids", "attention_mask",
+                                *(n for names in self._names for n in names[:2])}
         self._views_of, self._views = None, {}  # per-sequence cache views (see _seq_views)
         # the C++ run entry point skips per-call Python-side input validation (~4 us); our
         # feeds are built to the graph's contract, and load-time checks caught the rest
@@ -117,6 +119,12 @@ class OrtEngine(BatchCalls, EngineBase):
         # per-position ``features`` output at the slots its K/V take, committed and compacted alike
         self.call_inputs: dict[str, np.ndarray] = {}
         self.extra_outputs: list[str] = []
+        # a target or draft exported with ``logits_to_keep`` (an optional input: an initializer
+        # ONNX Runtime lets session.run override, but not IO binding, which knows required inputs
+        # only: IO-bound engines, the GPU's, compute every row as before); a head's is a
+        # required input its drafter feeds
+        self.keeps_last_rows = not self.io_binding and "logits_to_keep" in {
+            i.name for i in self.session.get_overridable_initializers()}
         self.outputs: dict[str, np.ndarray] = {}
         self.features: np.ndarray | None = None
 
@@ -156,8 +164,8 @@ class OrtEngine(BatchCalls, EngineBase):
             b.bind_input(pv, dev, 0, elem, past_shape, cache.value_ptr(layer, 0, seq))
             b.bind_output(nk, dev, 0, elem, new_shape, cache.key_ptr(layer, p, seq))
             b.bind_output(nv, dev, 0, elem, new_shape, cache.value_ptr(layer, p, seq))
-        keep = self.call_inputs.get("logits_to_keep")  # a head's: logits of the last rows only
-        rows = s if keep is None else int(keep[0])
+        keep = self.call_inputs.get("logits_to_keep")  # logits of the last rows only (0: every row)
+        rows = s if keep is None or int(keep[0]) == 0 else int(keep[0])
         if self._logits.shape[1] < rows:  # rows of the widest call so far (prefill chunks, trees)
             self._logits = np.zeros((1, max(rows, 2 * self._logits.shape[1]), self.vocab_size), dtype=np.float32)
         b.bind_output("logits", "cpu", 0, np.float32, [1, rows, self.vocab_size], self._logits.ctypes.data)
@@ -178,6 +186,19 @@ class OrtEngine(BatchCalls, EngineBase):
             self.outputs = {n: (self.features[seq, p:p + s] if n == "features" and self.features is not None
                                 else v.numpy()[0]) for n, v in zip(self.extra_outputs, values)}
         return self._logits[0, :rows]
+
+    def forward_last(self, input_ids: np.ndarray, positions: np.ndarray, mask: np.ndarray, rows: int,
+                     seq: int = 0) -> np.ndarray:
+        """:meth:`forward` with the LM head over the last ``rows`` rows only (``logits_to_keep``);
+        the call must not need padding (``rows >= min_rows``, S >= rows)."""
+        if not self.keeps_last_rows:
+            return super().forward_last(input_ids, positions, mask, rows, seq)
+        saved = self.call_inputs
+        self.call_inputs = {**saved, "logits_to_keep": np.array([rows], dtype=np.int64)}
+        try:
+            return self.forward(input_ids, positions, mask, seq)
+        finally:
+            self.call_inputs = saved
 
     def _forward_padded(self, input_ids: np.ndarray, positions: np.ndarray, mask: np.ndarray,
                         seq: int) -> np.ndarray:
@@ -250,8 +271,9 @@ class OrtEngine(BatchCalls, EngineBase):
         return views
 
     def _host(self, input_ids, positions, mask, s: int, p: int, seq: int) -> np.ndarray:
-        """One sequence on the host (no IO binding asked for): windowed bindings or session.run."""
-        if self.past_window:
+        """One sequence on the host (no IO binding asked for): windowed bindings or session.run
+        (a call that keeps the last rows only, a prefill chunk, binds afresh either way)."""
+        if self.past_window and "logits_to_keep" not in self.call_inputs:
             logits = self._windows.forward(input_ids, positions, mask, s, p, seq, self.cache)
             self._count_window_call()
             return logits
@@ -271,6 +293,8 @@ class OrtEngine(BatchCalls, EngineBase):
         for pk, pv, kv, vv in views:
             feeds[pk] = kv[:, :p]
             feeds[pv] = vv[:, :p]
+        for name in [n for n in feeds if n not in self._contract_feeds and n not in self.call_inputs]:
+            del feeds[name]  # a call input of an earlier call only (a prefill's logits_to_keep)
         feeds.update(self.call_inputs)
         t0 = time.perf_counter()
         out = self._run(self._out_names + self.extra_outputs if self.extra_outputs else self._out_names, feeds, None)

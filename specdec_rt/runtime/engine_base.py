@@ -18,6 +18,10 @@ from specdec_rt.runtime.masks import causal_mask
 # Long inputs (prompts) run in chunks of this many tokens: the graph returns logits for every
 # row, and a 4k-token prompt over a 152k vocabulary would otherwise need a 2.5 GB logits tensor.
 PREFILL_CHUNK = 256
+# extend keeps the last rows' logits only (``logits_to_keep``) from this many tokens on; shorter
+# calls (a draft's catch-up of the 1-3 tokens a verify accepted) compute every row, which costs
+# little there and keeps them on the draft's windowed bindings, which bind the contract only
+KEEP_LAST_FROM = 8
 
 
 class EngineBase:
@@ -35,6 +39,9 @@ class EngineBase:
     # calls with fewer rows are padded to this many (exactness on kernels whose one-row path
     # gives other bits: probes.probe_row_invariance sets it at load)
     min_rows: int = 1
+    # the graph takes ``logits_to_keep`` (LM head over the last rows only): :meth:`extend` then
+    # computes no logits a prefill throws away (set by engines whose graph has the input)
+    keeps_last_rows: bool = False
 
     @contextmanager
     def rows_padded_to(self, min_rows: int | None) -> Iterator[None]:
@@ -93,9 +100,22 @@ class EngineBase:
             p = self.lengths[seq]
             part = ids[start:start + chunk]
             positions = np.arange(p, p + len(part), dtype=np.int64)
-            row = self.forward(part, positions, causal_mask(p, positions, self.info.sliding_window), seq)[-1]
+            mask = causal_mask(p, positions, self.info.sliding_window)
+            # the LM head over min_rows rows (not 1): the rows a padded call would give, so the
+            # kernel that computes the kept logits is the multi-row one wherever padding is on
+            keep = max(1, self.min_rows)
+            if self.keeps_last_rows and len(part) >= max(keep, KEEP_LAST_FROM):
+                row = self.forward_last(part, positions, mask, keep, seq)[-1]
+            else:
+                row = self.forward(part, positions, mask, seq)[-1]
             self.commit(len(part), seq)
         return row
+
+    def forward_last(self, input_ids: np.ndarray, positions: np.ndarray, mask: np.ndarray, rows: int,
+                     seq: int = 0) -> np.ndarray:
+        """:meth:`forward`, returning the logits of the last ``rows`` rows only (what
+        ``keeps_last_rows`` engines compute alone; the others compute all and slice)."""
+        return self.forward(input_ids, positions, mask, seq)[-rows:]
 
     def step(self, token: int, seq: int = 0) -> np.ndarray:
         """One token at the next position; returns its logits row and commits it."""
