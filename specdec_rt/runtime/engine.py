@@ -86,8 +86,7 @@ class OrtEngine(BatchCalls, EngineBase):
         self._zeros = np.zeros(max_len, dtype=np.float32)
         self._past_names = [(pk, pv) for pk, pv, _, _ in self._names]
         self._feeds: dict = {}  # the host path's feed dict, reused (see _forward_run)
-        self._contract_feeds = {"input_ids", "position_ids", "attention_mask",
-                                *(n for names in self._names for n in names[:2])}
+        self._fed_extras: set[str] = set()  # the call_inputs names now in _feeds
         self._views_of, self._views = None, {}  # per-sequence cache views (see _seq_views)
         # the C++ run entry point skips per-call Python-side input validation (~4 us); our
         # feeds are built to the graph's contract, and load-time checks caught the rest
@@ -293,8 +292,10 @@ class OrtEngine(BatchCalls, EngineBase):
         for pk, pv, kv, vv in views:
             feeds[pk] = kv[:, :p]
             feeds[pv] = vv[:, :p]
-        for name in [n for n in feeds if n not in self._contract_feeds and n not in self.call_inputs]:
-            del feeds[name]  # a call input of an earlier call only (a prefill's logits_to_keep)
+        if self._fed_extras != self.call_inputs.keys():  # drop an earlier call's (a prefill's logits_to_keep)
+            for name in self._fed_extras - self.call_inputs.keys():
+                del feeds[name]
+            self._fed_extras = set(self.call_inputs)
         feeds.update(self.call_inputs)
         t0 = time.perf_counter()
         out = self._run(self._out_names + self.extra_outputs if self.extra_outputs else self._out_names, feeds, None)

@@ -15,8 +15,9 @@ import numpy as np
 from specdec_rt.runtime.kv_cache import KVCache
 from specdec_rt.runtime.masks import causal_mask
 
-# Long inputs (prompts) run in chunks of this many tokens: the graph returns logits for every
-# row, and a 4k-token prompt over a 152k vocabulary would otherwise need a 2.5 GB logits tensor.
+# Long inputs (prompts) run in chunks of this many tokens: graphs without ``logits_to_keep`` (and
+# IO-bound engines) return logits for every row, and a 4k-token prompt over a 152k vocabulary
+# would otherwise need a 2.5 GB logits tensor.
 PREFILL_CHUNK = 256
 # extend keeps the last rows' logits only (``logits_to_keep``) from this many tokens on; shorter
 # calls (a draft's catch-up of the 1-3 tokens a verify accepted) compute every row, which costs
