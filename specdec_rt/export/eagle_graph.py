@@ -216,9 +216,7 @@ class HeadGraphBuilder(GraphBuilder):
         g.op("Add", [residual, mlp], outputs=["hidden_out"])
         # logits of the last ``logits_to_keep`` rows only (transformers' name): a catch-up over
         # many verified positions needs its last row's, a tree level all of its rows'
-        kept = g.op("Slice", ["hidden_out", g.op("Neg", ["logits_to_keep"], "keep_from"),
-                              g.shape([np.iinfo(np.int64).max], "keep_end"), g.shape([1], "keep_axis")], "kept_rows")
-        final, _ = self._norm(kept, None, w.final_norm_w, None, "final_norm")
+        final, _ = self._norm(self._last_rows("hidden_out"), None, w.final_norm_w, None, "final_norm")
         logits = self._lm_head(final)
         if self.opt.output_ids is not None:
             logits = self._widen_logits(logits)

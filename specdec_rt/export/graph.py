@@ -724,12 +724,15 @@ class GraphBuilder:
         LM head is ~15% of a prefill's work at a 152k vocabulary (and [S, V] floats of output);
         verify and tree calls leave the default. An input with an initializer is optional in
         ONNX (IR >= 4), so callers that do not know it, and older bundles' callers, are unchanged."""
-        g = self.g
         inputs.append(helper.make_tensor_value_info("logits_to_keep", TensorProto.INT64, [1]))
-        g.inits.append(numpy_helper.from_array(np.zeros(1, dtype=np.int64), "logits_to_keep"))
-        start = g.op("Neg", ["logits_to_keep"], "keep_from")
-        return g.op("Slice", [final, start, g.shape([np.iinfo(np.int64).max], "keep_end"),
-                              g.shape([1], "keep_axis")], "kept_rows")
+        self.g.inits.append(numpy_helper.from_array(np.zeros(1, dtype=np.int64), "logits_to_keep"))
+        return self._last_rows(final)
+
+    def _last_rows(self, x: str) -> str:
+        """The last ``logits_to_keep`` rows of ``x`` [B, S, H] (all of them for 0)."""
+        g = self.g
+        return g.op("Slice", [x, g.op("Neg", ["logits_to_keep"], "keep_from"),
+                              g.shape([np.iinfo(np.int64).max], "keep_end"), g.shape([1], "keep_axis")], "kept_rows")
 
     def finish(self, name: str, inputs: list, outputs: list):
         """The ModelProto of what was emitted: opsets (the contrib domain when used) and the IR

@@ -163,8 +163,8 @@ class OrtEngine(BatchCalls, EngineBase):
             b.bind_input(pv, dev, 0, elem, past_shape, cache.value_ptr(layer, 0, seq))
             b.bind_output(nk, dev, 0, elem, new_shape, cache.key_ptr(layer, p, seq))
             b.bind_output(nv, dev, 0, elem, new_shape, cache.value_ptr(layer, p, seq))
-        keep = self.call_inputs.get("logits_to_keep")  # logits of the last rows only (0: every row)
-        rows = s if keep is None or int(keep[0]) == 0 else int(keep[0])
+        keep = self.call_inputs.get("logits_to_keep")  # a head's: logits of the last rows only
+        rows = s if keep is None else int(keep[0])
         if self._logits.shape[1] < rows:  # rows of the widest call so far (prefill chunks, trees)
             self._logits = np.zeros((1, max(rows, 2 * self._logits.shape[1]), self.vocab_size), dtype=np.float32)
         b.bind_output("logits", "cpu", 0, np.float32, [1, rows, self.vocab_size], self._logits.ctypes.data)
