@@ -26,7 +26,7 @@ from specdec_rt.bench.runner import load_prompts
 
 bundle, warm, threads = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
 t0 = time.perf_counter()
-gen = specdec_rt.load(bundle, threads=threads, shared_thread_pool=True)
+gen = specdec_rt.load(bundle, threads=threads, shared_thread_pool=True, prefix_cache=False)
 load_s = time.perf_counter() - t0
 warm_parts = gen.warm_up() if warm else {}
 warm_s = time.perf_counter() - t0 - load_s

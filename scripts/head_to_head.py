@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     ours_ks = [_k(x) for x in args.ours.split(",")]
     genai_ks = [_k(x) for x in args.genai.split(",")]
 
-    gen = specdec_rt.load(args.bundle, threads=args.threads, shared_thread_pool=True)
+    gen = specdec_rt.load(args.bundle, threads=args.threads, shared_thread_pool=True, prefix_cache=False)
     n = args.max_new_tokens
     limit = gen.max_length - n - 1  # as specdec-bench: the prompt's tail where prompt + tokens exceed the context
     prompts = [gen.tokenizer.encode(p)[-limit:] for p in load_prompts(None)][: args.num_prompts]

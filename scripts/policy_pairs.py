@@ -74,7 +74,7 @@ def export(cache: Path, name: str, target: Path, draft: Path, opts: dict) -> Pat
 def evaluate(bundle: Path, prompts: list[str], ks: list[int], max_new_tokens: int, repeats: int) -> dict:
     import specdec_rt
 
-    gen = specdec_rt.load(bundle, threads=1)
+    gen = specdec_rt.load(bundle, threads=1, prefix_cache=False)
     gen.policies.clock = time.process_time  # the cost model in CPU time, like the runs
     ids = [gen.tokenizer.encode(p) for p in prompts]
     configs = ([("target-only", None, 0, "chain")] + [(f"K={k}", "model", k, "chain") for k in ks]

@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     from specdec_rt.runtime.cost_model import measure_engine
 
     sizes = [int(s) for s in args.sizes.split(",")]
-    gens = {p: specdec_rt.load(p, threads=args.threads, shared_thread_pool=True) for p in args.bundles}
+    gens = {p: specdec_rt.load(p, threads=args.threads, shared_thread_pool=True, prefix_cache=False) for p in args.bundles}
     target = {p: [] for p in gens}
     draft = {p: [] for p in gens}
     for _ in range(args.rounds):  # round robin: drift on a shared machine hits every bundle alike

@@ -63,3 +63,25 @@ def test_off_switch(tiny_pair, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
     specdec_rt.load(tiny_pair["bundle"], threads=1).generate_ids([5, 6], max_new_tokens=4, num_draft_tokens="auto")
     assert not (tmp_path / "costs").exists()
+
+
+def test_prefix_probe_verdict_is_read_back_per_machine_setup(tiny_pair, cache, monkeypatch):
+    """The prefix cache's probe (seconds on a 1.5B target) runs once per bundle and setup."""
+    import specdec_rt
+    from specdec_rt.runtime import prefix_cache
+
+    first = specdec_rt.load(tiny_pair["bundle"], threads=1)
+    probes = list((cache.parent / "probes").glob("*.json"))
+    assert first.prefix_cache and len(probes) == 1
+    assert json.loads(probes[0].read_text())["verdict"] is True
+
+    def no_probing(*a, **kw):
+        raise AssertionError("probed again although the verdict was on disk")
+
+    monkeypatch.setattr(prefix_cache, "probe_prefix_reuse", no_probing)
+    second = specdec_rt.load(tiny_pair["bundle"], threads=1)
+    assert second.prefix_cache and second.target.prefix_rows == second.target.min_rows
+    probes[0].write_text(json.dumps({"version": 1, "verdict": False}))  # as measured on a machine where bits differ
+    assert not specdec_rt.load(tiny_pair["bundle"], threads=1).prefix_cache
+    with pytest.raises(AssertionError, match="probed again"):  # another setup: another key, probed
+        specdec_rt.load(tiny_pair["bundle"], threads=1, max_context=128)

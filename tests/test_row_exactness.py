@@ -174,6 +174,34 @@ def test_prefill_keeps_only_the_last_rows_and_their_bits(quant_bundles, precisio
         eng.reset()
 
 
+def test_prefix_reuse_is_on_only_where_it_changes_no_bit(quant_bundles):
+    """The prefix cache per precision: where the probe turns it on, a conversation's next turn
+    (reusing its history's K/V, written while it was decoded) decodes the same tokens as a fresh
+    prefill, greedy and speculative; where it does not, nothing is reused."""
+    import specdec_rt
+
+    on = []
+    for precision in ("fp32", "int4", "w8a8", "fused"):
+        gen = specdec_rt.load(quant_bundles[precision], threads=1)
+        fresh = specdec_rt.load(quant_bundles[precision], threads=1, prefix_cache=False)
+        if gen.prefix_cache:
+            on.append(precision)
+        for kw in (dict(drafter=None), dict(num_draft_tokens=4)):
+            gen.clear_prefix_cache()
+            ids = [3, 30, 300, 7, 70, 77, 400, 5, 50]
+            for turn in range(3):
+                out = gen.generate_ids(ids, max_new_tokens=20, temperature=0.0, ignore_eos=True, **kw)
+                cached = gen.last_stats.cached_prompt_tokens
+                assert out == fresh.generate_ids(ids, max_new_tokens=20, temperature=0.0, ignore_eos=True, **kw), \
+                    (precision, kw, turn)
+                # the history but its last token (whose K/V the next call writes), or all of it
+                # where a step's accepted drafts ran past max_new_tokens
+                want = {0} if turn == 0 or not gen.prefix_cache else {len(ids) - 5, len(ids) - 4}
+                assert cached in want, (precision, kw, turn, cached)
+                ids = ids + out + [11, 111, 211, 311]
+    assert "fp32" in on and "w8a8" in on, on  # the invariant graphs on every x86 CPU measured
+
+
 def test_w8a8_graph_is_what_it_claims(quant_bundles):
     """The W8A8 target: integer GEMMs (no MatMulNBits), its decode and verify rows bit-equal at
     export validation, and closer to the PyTorch model than the int4 graph of the same weights."""

@@ -60,7 +60,8 @@ def run_batch_bench(cfg: BatchBenchConfig) -> dict:
     if cfg.clock == "cpu" and cfg.threads != 1:
         raise GenerationInputError("CPU time stands for elapsed time only in single-threaded runs: pass --threads 1")
     clock = time.process_time if cfg.clock == "cpu" else time.perf_counter
-    gen = specdec_rt.load(cfg.bundle, threads=cfg.threads, shared_thread_pool=True, max_batch=max(cfg.batches))
+    gen = specdec_rt.load(cfg.bundle, threads=cfg.threads, shared_thread_pool=True, max_batch=max(cfg.batches),
+                          prefix_cache=False)
     gen.policies.clock = clock  # the cost surface K=auto decides from, measured with the same clock
     prompts = [gen.tokenizer.encode(p) for p in cfg.prompts]
     limit = gen.max_length - cfg.max_new_tokens - 1

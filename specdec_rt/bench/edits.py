@@ -54,6 +54,9 @@ class EditsConfig:
     threads: int | None = None
     sessions: int | None = None  # the first N sessions (default all)
     progress: bool = True
+    # each turn keeps the K/V of the conversation so far (the generator's prefix_cache); every
+    # configuration then runs a session's turns back to back, from an empty cache
+    prefix_cache: bool = True
 
     @property
     def per_category(self) -> int:  # what summarize() reports as questions per group
@@ -141,7 +144,7 @@ def run_edits(cfg: EditsConfig) -> dict:
 
     sessions = load_sessions(cfg.questions, cfg.sessions)
     gen = specdec_rt.load(cfg.bundle, threads=cfg.threads, shared_thread_pool=True,
-                          suffix_pool=SuffixPool(per_user=True))
+                          suffix_pool=SuffixPool(per_user=True), prefix_cache=cfg.prefix_cache)
     systems: list[System] = [EditSystem(gen, OURS_BASE, None)]
     for d in cfg.drafters:
         if d in NEEDS_DRAFT_MODEL and gen.draft_engine is None:
@@ -165,6 +168,13 @@ def run_edits(cfg: EditsConfig) -> dict:
             qi = 0
             for sess in sessions:
                 conv = Conversation(gen, sess)
+                turns_of: list[tuple[Question, list[int], str]] = []
+
+                def run_turn(s: System, q: Question, ids: list[int], text: str) -> None:
+                    runs[s.name][q.index].append(s.run(q, ids, text, cfg.max_new_tokens))
+                    if bar is not None:
+                        bar.update(1)
+
                 for t in range(len(sess.edits)):
                     ids, text = conv.prompt(t)
                     if len(ids) + cfg.max_new_tokens >= gen.max_length:
@@ -176,12 +186,20 @@ def run_edits(cfg: EditsConfig) -> dict:
                     if rep == 0:
                         questions.append(q)
                         prompts.append(ids)
-                    for s in systems:
-                        runs[s.name][qi].append(s.run(q, ids, text, cfg.max_new_tokens))
-                        if bar is not None:
-                            bar.update(1)
+                    turns_of.append((q, ids, text))
+                    if t == 0:
+                        gen.clear_prefix_cache()  # a new conversation
+                    # with the prefix cache, the other configurations run this session after
+                    # target-only, each on its own conversation's cache; without, turn by turn
+                    for s in systems[:1] if cfg.prefix_cache else systems:
+                        run_turn(s, q, ids, text)
                     conv.answer(t, text, gen.tokenizer.decode(runs[OURS_BASE][qi][-1].tokens))
                     qi += 1
+                if cfg.prefix_cache:
+                    for s in systems[1:]:
+                        gen.clear_prefix_cache()
+                        for q, ids, text in turns_of:
+                            run_turn(s, q, ids, text)
     finally:
         if bar is not None:
             bar.close()
@@ -194,6 +212,7 @@ def run_edits(cfg: EditsConfig) -> dict:
                         f"{cfg.max_new_tokens} new tokens at most, greedy, every drafter at K=auto")
     results["plot_title"] = "Multi-turn code edits: speedup per turn"
     results["settings"]["ignore_eos"] = False
+    results["settings"]["prefix_cache"] = gen.prefix_cache
     results["settings"]["workload"] = cfg.questions or shipped_workload()
     return results
 

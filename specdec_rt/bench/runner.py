@@ -136,8 +136,9 @@ def run_bench(cfg: BenchConfig) -> dict:
     # overlapped runs need the target on its own (non-spinning) pool: that generator is made
     # first, and then the others use per-session pools too (ONNX Runtime fixes the choice of a
     # process-wide pool when its first session is created)
-    gen_overlap = specdec_rt.load(cfg.bundle, threads=cfg.threads, overlap=True) if cfg.overlap else None
-    gen = specdec_rt.load(cfg.bundle, threads=cfg.threads, shared_thread_pool=not cfg.overlap)
+    gen_overlap = specdec_rt.load(cfg.bundle, threads=cfg.threads, overlap=True, prefix_cache=False) if cfg.overlap else None
+    gen = specdec_rt.load(cfg.bundle, threads=cfg.threads, shared_thread_pool=not cfg.overlap,
+                          prefix_cache=False)  # every configuration prefills each prompt afresh
     gen.policies.clock = clock  # the cost model "auto" decides from, measured with the same clock
     prompts = [gen.tokenizer.encode(p) for p in cfg.prompts]
     limit = gen.max_length - cfg.max_new_tokens - 1

@@ -106,7 +106,7 @@ def baseline_systems(cfg: SpecBenchConfig, questions: list[Question], prompts: l
 
     systems: list[System] = []
     for path in cfg.baseline_bundles:
-        other = specdec_rt.load(path, threads=cfg.threads, shared_thread_pool=True)
+        other = specdec_rt.load(path, threads=cfg.threads, shared_thread_pool=True, prefix_cache=False)
         mine = [other.apply_chat_template([{"role": "user", "content": q.text}], tokenize=True) for q in questions]
         if other.bundle.chat_template is None or mine != prompts:
             raise GenerationInputError(f"--baseline-bundle {path}: its tokenizer or chat template turns the "
@@ -169,7 +169,8 @@ def run_spec_bench(cfg: SpecBenchConfig) -> dict:
     import specdec_rt
 
     questions = load_questions(cfg.questions, cfg.categories, cfg.per_category)
-    gen = specdec_rt.load(cfg.bundle, threads=cfg.threads, shared_thread_pool=True)
+    gen = specdec_rt.load(cfg.bundle, threads=cfg.threads, shared_thread_pool=True,
+                          prefix_cache=False)  # every configuration prefills each prompt afresh
     if gen.bundle.chat_template is None:
         raise GenerationInputError("this bundle has no chat template: Spec-Bench prompts are chat turns "
                                    "(export an instruct checkpoint)")

@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "spec_bench.json/.md/.png. 'edits [sessions.jsonl]': multi-turn code edits (default: "
                          "the shipped workload), every drafter at K=auto, per turn; writes edits.json/.md/.png")
     ap.add_argument("--sessions", type=int, default=None, help="with --suite edits: the first N sessions")
+    ap.add_argument("--no-prefix-cache", action="store_true",
+                    help="with --suite edits: prefill every turn's whole history (default: each turn keeps "
+                         "the K/V of the conversation so far, as load(prefix_cache=True) does)")
     ap.add_argument("--categories", default=None, help="with --suite spec-bench: categories, comma separated (default all)")
     ap.add_argument("--questions-per-category", type=int, default=2,
                     help="with --suite spec-bench: the first N questions of each category (default 2)")
@@ -126,7 +129,8 @@ def _suite(args, argv) -> int:
 
         ecfg = edits.EditsConfig(bundle=args.bundle, questions=rest[0] if rest else "",
                                  max_new_tokens=args.max_new_tokens, repeats=args.repeats, threads=args.threads,
-                                 sessions=args.sessions, progress=not args.quiet)
+                                 sessions=args.sessions, progress=not args.quiet,
+                                 prefix_cache=not args.no_prefix_cache)
         if args.drafter_given:
             ecfg.drafters = _csv(args.drafter)
         return _finish(edits.run_edits(ecfg), edits.write, args.out, argv)

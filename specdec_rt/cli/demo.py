@@ -56,7 +56,8 @@ def run_demo(bundle_dir: Path, args) -> int:
     print(f"export took {time.perf_counter() - t0:.1f} s", flush=True)
 
     gen = specdec_rt.load(bundle_dir, provider=args.provider, threads=args.threads,
-                          shared_thread_pool=not overlap, overlap=overlap)
+                          shared_thread_pool=not overlap, overlap=overlap,
+                          prefix_cache=False)  # every configuration prefills the same prompt afresh
     # a typical held-out prompt (the first one makes this weak target repeat "#" lines, which the
     # draft predicts perfectly: a flattering, unrepresentative speedup)
     prompt = args.prompt or reference_prompts(ref)[2]["prompt"]

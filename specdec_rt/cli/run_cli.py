@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--overlap", action="store_true",
                     help="draft the next block while the target verifies this one (two threads; the models "
                          "get their own thread pools instead of one shared pool); same output")
+    ap.add_argument("--no-prefix-cache", action="store_true",
+                    help="with --chat: prefill every turn's whole history (default: a turn keeps the K/V "
+                         "of the conversation so far where that is bit-exact on this machine)")
     ap.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     ap.add_argument("--stream", action="store_true", help="print text as it is committed")
     ap.add_argument("--chat", action="store_true",
@@ -71,7 +74,8 @@ def _run(args) -> int:
         return 2
     gen = specdec_rt.load(args.bundle, provider=args.provider, draft_provider=args.draft_provider,
                           threads=args.threads, shared_thread_pool=not args.overlap,
-                          max_context=args.max_context, max_batch=args.batch_size, overlap=args.overlap)
+                          max_context=args.max_context, max_batch=args.batch_size, overlap=args.overlap,
+                          prefix_cache=not args.no_prefix_cache)
     kwargs = generation_kwargs(args)
     if args.batch_file:
         return _batch(gen, args, kwargs)

@@ -11,6 +11,10 @@ version, the provider, the thread settings and the clock. Location: ``$SPECDEC_C
 ``~/.cache/specdec-rt``) ``/costs/<key>.json``; ``SPECDEC_COST_CACHE=0`` turns it off. A file
 that does not parse is ignored and rewritten. The first generation of each new (bundle,
 machine) still measures; widths of batched calls are added as they are measured.
+
+Load-time probe verdicts that take seconds at scale (:func:`probe_key`: whether prompt K/V
+equal decoding's, for the prefix cache) are kept the same way in ``probes/<key>.json``, under a
+key that also holds the CPU's feature flags and the engine's padding.
 """
 from __future__ import annotations
 
@@ -90,6 +94,58 @@ def save_cost(key: str, target_times: list[float], draft_step: float, widths: di
         fd, tmp = tempfile.mkstemp(dir=d, prefix=".cost-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             json.dump(data, f)
+        os.replace(tmp, d / f"{key}.json")
+    except OSError:
+        pass
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags: which kernels ONNX Runtime dispatches to (a hypervisor may hide
+    some behind the same model name)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return hashlib.sha256(line.split(":", 1)[1].strip().encode()).hexdigest()[:16]
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def probe_key(manifest: dict, role_graph: str, engine, probe: str) -> str:
+    """The key of a load-time probe's verdict for one engine (the graph, this machine's CPU and
+    its feature flags, the engine's thread setup and padding, the probe's name)."""
+    machine = {"probe": probe, "engine": engine_settings(engine), "flags": _cpu_flags(),
+               "min_rows": getattr(engine, "min_rows", None), "max_len": getattr(engine, "max_len", None)}
+    return cost_key(manifest, [role_graph], machine)
+
+
+def _probe_dir() -> Path | None:
+    d = cache_dir()
+    return None if d is None else d.parent / "probes"
+
+
+def load_probe(key: str) -> bool | None:
+    """A stored probe verdict, or None (not measured here yet, unreadable, caching off)."""
+    d = _probe_dir()
+    if d is None:
+        return None
+    try:
+        data = json.loads((d / f"{key}.json").read_text())
+        return bool(data["verdict"]) if data.get("version") == VERSION else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save_probe(key: str, verdict: bool) -> None:
+    """Write atomically; a read-only cache is not an error."""
+    d = _probe_dir()
+    if d is None:
+        return
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=".probe-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": VERSION, "verdict": bool(verdict)}, f)
         os.replace(tmp, d / f"{key}.json")
     except OSError:
         pass

@@ -43,18 +43,28 @@ class EngineBase:
     # the graph takes ``logits_to_keep`` (LM head over the last rows only): :meth:`extend` then
     # computes no logits a prefill throws away (set by engines whose graph has the input)
     keeps_last_rows: bool = False
+    # a new prompt may keep the K/V of the prefix it shares with what a sequence holds
+    # (:meth:`reusable_prefix`): set where probes.probe_prefix_reuse found a prompt's K/V bit for
+    # bit those of decoding (the generator's ``prefix_cache``)
+    prefix_reuse: bool = False
+    prefix_rows: int = 1  # the ``min_rows`` that probe ran with: reuse holds at that padding only
+    # reuse only within one owner (a request's ``user``): another tenant could time a cache hit
+    prefix_per_owner: bool = False
 
     @contextmanager
     def rows_padded_to(self, min_rows: int | None) -> Iterator[None]:
         """Calls inside the block are padded to ``min_rows`` rows (None: as probed), restored
         after: benchmarks time the unpadded one-row kernel beside the padded one."""
         saved = self.min_rows
-        if min_rows is not None:
+        if min_rows is not None and min_rows != saved:
             self.min_rows = min_rows
+            self._held()[:] = [None] * len(self.lengths)  # K/V computed at the other padding
         try:
             yield
         finally:
-            self.min_rows = saved
+            if self.min_rows != saved:
+                self.min_rows = saved
+                self._held()[:] = [None] * len(self.lengths)
 
     @property
     def length(self) -> int:
@@ -67,16 +77,63 @@ class EngineBase:
 
     def reset(self, seq: int | None = None) -> None:
         """Forget sequence ``seq`` (every sequence if None)."""
+        held = self._held()
         if seq is None:
             self.lengths = [0] * len(self.lengths)
+            held[:] = [None] * len(held)
         else:
             self.lengths[seq] = 0
+            held[seq] = None
 
     def rollback(self, length: int, seq: int = 0) -> None:
         """O(1): forget everything after ``length``."""
         if not 0 <= length <= self.lengths[seq]:
             raise ValueError(f"cannot roll back to {length} (cache holds {self.lengths[seq]})")
         self.lengths[seq] = length
+        held = self._held()
+        if held[seq] is not None and len(held[seq]) > length:
+            held[seq] = held[seq][:length]  # a copy: the tracked list may grow past what stays
+
+    # -- prefix reuse -------------------------------------------------------------------------
+    def _held(self) -> list[list[int] | None]:
+        """Per sequence, the token list whose first ``min(len, lengths[seq])`` entries are the
+        tokens of its cached positions (None: unknown). Lazily sized: subclasses set ``lengths``."""
+        held = self.__dict__.get("_held_tokens")
+        if held is None or len(held) != len(self.lengths):
+            held = self.__dict__["_held_tokens"] = [None] * len(self.lengths)
+        return held
+
+    def track(self, tokens: list[int], seq: int = 0, owner: str | None = None) -> None:
+        """Sequence ``seq``'s cached positions hold the K/V of ``tokens``, as far as both go.
+
+        ``tokens`` is a row's token list, which only grows by the tokens the row commits (the
+        loop's invariant: the cache holds every committed token but the last), so it stays true
+        without per-step work; :meth:`reset` and :meth:`rollback` end or cut it. ``owner``: who
+        asked (with :attr:`prefix_per_owner`, only the same owner reuses it)."""
+        self._held()[seq] = tokens
+        self._owners()[seq] = owner
+
+    def _owners(self) -> list[str | None]:
+        owners = self.__dict__.get("_held_owners")
+        if owners is None or len(owners) != len(self.lengths):
+            owners = self.__dict__["_held_owners"] = [None] * len(self.lengths)
+        return owners
+
+    def reusable_prefix(self, prompt, seq: int = 0, owner: str | None = None) -> int:
+        """How many leading positions of sequence ``seq`` a prefill of ``prompt`` (asked by
+        ``owner``) may keep: the tokens it shares with what the sequence holds, short of the
+        prompt's last token (whose logits the prefill returns); 0 unless :attr:`prefix_reuse`."""
+        held = self._held()[seq]
+        if not self.prefix_reuse or held is None or self.min_rows != self.prefix_rows:
+            return 0
+        if self.prefix_per_owner and (owner is None or self._owners()[seq] != owner):
+            return 0
+        n = min(len(held), self.lengths[seq], len(prompt) - 1)
+        if n <= 0:
+            return 0
+        a, b = np.asarray(held[:n]), np.asarray(prompt[:n])
+        diff = np.flatnonzero(a != b)
+        return int(diff[0]) if len(diff) else n
 
     def commit(self, n: int, seq: int = 0) -> None:
         """Keep the first ``n`` positions written by the last forward call."""

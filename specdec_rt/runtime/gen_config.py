@@ -54,6 +54,15 @@ class GenerationDefaults:
         return cls(do_sample=bool(merged["do_sample"]), temperature=merged["temperature"],
                    top_k=merged["top_k"], top_p=merged["top_p"], from_bundle=True, ignored=ignored)
 
+    def warn_ignored(self, source) -> None:
+        """Say which settings of ``source``'s generation_config.json this runtime leaves out."""
+        if self.ignored:
+            import warnings
+
+            warnings.warn(f"{source}: generation_config.json sets {', '.join(self.ignored)}, which specdec-rt "
+                          "does not apply (it applies temperature, top_k, top_p, do_sample and the EOS ids)",
+                          stacklevel=4)
+
     def to_dict(self) -> dict:
         return {"do_sample": self.do_sample, "temperature": self.temperature, "top_k": self.top_k,
                 "top_p": self.top_p, "from_bundle": self.from_bundle, "ignored": list(self.ignored)}

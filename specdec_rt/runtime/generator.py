@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -24,9 +23,10 @@ from specdec_rt.runtime.overlap import VerifyThread
 from specdec_rt.runtime.planning import SpeculationPlan, plan_speculation
 from specdec_rt.runtime.policy_store import PolicyStore
 from specdec_rt.runtime.requests import DRAFTERS, RowRequest, SpeculationConfig  # noqa: F401 - DRAFTERS re-exported
+from specdec_rt.runtime.prefix_cache import enable_prefix_cache
 from specdec_rt.runtime.probes import probe_batch_invariance, probe_row_invariance
 from specdec_rt.runtime.sampling import SamplingParamsError  # noqa: F401 - re-exported
-from specdec_rt.runtime.sessions import shared_pool_in_use
+from specdec_rt.runtime.sessions import pool_for_overlap
 from specdec_rt.runtime.speculative import run_chain
 from specdec_rt.runtime.suffix import SuffixPool
 from specdec_rt.runtime.stats import BatchStats, GenerationStats  # noqa: F401 - BatchStats re-exported
@@ -44,19 +44,14 @@ class Generator:
                  shared_thread_pool: bool = False, probe_rows: bool = True,
                  max_context: int | None = None, max_batch: int | None = None,
                  overlap: bool = False, draft_context: int | None = DRAFT_CONTEXT,
-                 suffix_pool: SuffixPool | bool | None = None) -> None:
+                 suffix_pool: SuffixPool | bool | None = None, prefix_cache: bool | str = True) -> None:
         self.bundle = bundle
         self.suffix_pool = SuffixPool.from_setting(suffix_pool)  # None: each request on its own
         self.draft_context = resolve_draft_context(draft_context)  # None: the draft catches up on all
         self.overlap = bool(overlap)
         self._verify_thread: VerifyThread | None = None
         if self.overlap:
-            if shared_thread_pool or shared_pool_in_use():
-                warnings.warn("overlap=True: the models run on ONNX Runtime's process-wide thread pool, "
-                              "so the draft and the target compete for its workers (measured slower than "
-                              "their own pools: load without shared_thread_pool in a process that never "
-                              "enabled it)", stacklevel=3)
-            shared_thread_pool = False
+            shared_thread_pool = pool_for_overlap(shared_thread_pool)
         self.max_length = resolve_context(bundle.max_context, max_context or max_length)
         self.max_batch = resolve_max_batch(max_batch, provider, draft_provider if bundle.draft else None)
         self.tokenizer = TextTokenizer(bundle.tokenizer_path)
@@ -76,14 +71,19 @@ class Generator:
             probe_row_invariance(self.target)  # exactness: pads 1-row calls where kernels differ
             # batches: a sequence's bits must not depend on who shares its call (said at load if asked)
             probe_batch_invariance(self.target, warn=max_batch is not None and max_batch > 1)
+        # a chat's next turn keeps its earlier turns' K/V where that changes no bit (TensorRT: off)
+        enable_prefix_cache(self.target, bundle.manifest, bundle.target.graph, prefix_cache,
+                            probe=isinstance(self.target, OrtEngine))
         self.chat_template = (ChatTemplate(bundle.chat_template, bundle.special_token_strings)
                               if bundle.chat_template is not None else None)
         self.generation_defaults = GenerationDefaults.from_config(bundle.generation_config)
-        if self.generation_defaults.ignored:
-            warnings.warn(
-                f"{bundle.root}: generation_config.json sets {', '.join(self.generation_defaults.ignored)}, "
-                "which specdec-rt does not apply (it applies temperature, top_k, top_p, do_sample and "
-                "the EOS ids)", stacklevel=3)
+        self.generation_defaults.warn_ignored(bundle.root)
+
+    prefix_cache = property(lambda self: self.target.prefix_reuse)  # load's prefix_cache, on where exact
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every sequence's cached prefix (benchmarks timing one prompt several ways)."""
+        self.target.reset()
 
     # older scripts set ``gen.measure_clock``: the clock is the policy store's setting now
     measure_clock = property(lambda self: self.policies.clock, lambda self, c: setattr(self.policies, "clock", c))
@@ -92,8 +92,7 @@ class Generator:
     def exact_trees(self) -> bool:
         """Whether tree verification is token-identical to target-only decoding: the target sums
         attention in float64 (docs/design.md, "Exactness, bit for bit"). Chains are exact either way."""
-        target = self.bundle.manifest.get("models", {}).get("target", {})
-        return target.get("attention_accumulation") == "fp64"
+        return self.bundle.manifest.get("models", {}).get("target", {}).get("attention_accumulation") == "fp64"
 
     # -- argument checks ----------------------------------------------------------------------
     def encode_prompt(self, prompt: str | Sequence[int] | np.ndarray) -> list[int]:
@@ -353,7 +352,8 @@ def load(bundle: str | os.PathLike, provider: str = "cpu", draft_provider: str |
          draft_threads: int | None = 1, shared_thread_pool: bool = False,
          probe_rows: bool = True, max_context: int | None = None,
          max_batch: int | None = None, overlap: bool = False,
-         draft_context: int | None = DRAFT_CONTEXT, suffix_pool: SuffixPool | bool | None = None) -> Generator:
+         draft_context: int | None = DRAFT_CONTEXT, suffix_pool: SuffixPool | bool | None = None,
+         prefix_cache: bool | str = True) -> Generator:
     """Load a bundle. ``provider``: "cpu" | "cuda" | "tensorrt"; the draft may use another one.
 
     ``io_binding``: bind the KV buffers by pointer (default on GPUs; on CPU the default feeds the
@@ -378,21 +378,22 @@ def load(bundle: str | os.PathLike, provider: str = "cpu", draft_provider: str |
     ``overlap``: the default of every generation's ``overlap`` (draft the next block while the
     target verifies this one, on a worker thread); it also gives the target its own thread pool
     whose workers do not spin, and so should not be combined with ``shared_thread_pool``.
-    ``draft_context``: the most tokens the draft model (or the EAGLE-3 head: positions) runs to
-    catch up before proposing (default 64; None: all). A longer gap (a long prompt) restarts it on
-    its last ``draft_context`` tokens, a draft model's re-entry after a stretch decoded without
-    drafting on its last 32 (``RESYNC_CONTEXT``): proposals see a shorter history, the output is
-    unchanged, and prefilling a long prompt no longer costs more than speculation saves.
+    ``draft_context``: the most tokens the draft model (or EAGLE-3 head) runs to catch up before
+    proposing (default 64; None: all); a longer gap restarts it on its last ``draft_context`` tokens
+    (a re-entry after a stretch decoded without drafting: 32). Proposals see less, outputs are the same.
     ``suffix_pool``: let ``drafter="suffix"`` / ``"suffix_hybrid"`` also match the outputs of
     this generator's earlier requests (:class:`~specdec_rt.runtime.suffix.SuffixPool`; True: a
     pool of 200k tokens, one per ``user``, none for requests without one). Outputs stay exact.
+    ``prefix_cache``: a prompt starting with what a sequence holds (a chat's earlier turns) keeps
+    that K/V (``stats.cached_prompt_tokens``), only where probed bit-exact; "per-user": within
+    one ``user`` only (:mod:`specdec_rt.runtime.prefix_cache`).
     """
     b = load_bundle(bundle, verify_checksums=verify_checksums)
     return Generator(b, provider=provider, draft_provider=draft_provider, threads=threads,
                      max_length=max_length, io_binding=io_binding, draft_threads=draft_threads,
                      shared_thread_pool=shared_thread_pool, probe_rows=probe_rows,
                      max_context=max_context, max_batch=max_batch, overlap=overlap,
-                     draft_context=draft_context, suffix_pool=suffix_pool)
+                     draft_context=draft_context, suffix_pool=suffix_pool, prefix_cache=prefix_cache)
 
 
 __all__ = ["load", "Generator", "GenerationResult", "GenerationStats", "BatchStats", "BatchStream",

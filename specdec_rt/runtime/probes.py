@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specdec_rt.runtime.engine_base import EngineBase
+from specdec_rt.runtime.engine_base import PREFILL_CHUNK, EngineBase
 from specdec_rt.runtime.masks import causal_mask
 
 
@@ -92,6 +92,64 @@ def _chain_position_drift(engine: EngineBase, tokens: np.ndarray, prefix: int, w
     finally:
         engine.reset()
         engine.min_rows = saved
+
+
+# the call sizes decoding makes after a prompt: a plain step (padded to min_rows), verify blocks
+DECODING_CALLS = (1, 5, 2, 3, 5, 1, 4)
+
+
+def probe_prefix_reuse(engine: EngineBase, seed: int = 0) -> bool:
+    """Measure whether the K/V a prompt's prefill writes equal, bit for bit, what decoding the
+    same tokens writes (plain steps and verify blocks), at every layer; sets and returns
+    ``engine.prefix_reuse``.
+
+    A conversation's next turn may then keep the K/V its sequence holds for the turns before
+    (computed while they were decoded) instead of prefilling them again: its logits, and so its
+    output, are those of a fresh prefill. Prefills run in chunks of ``PREFILL_CHUNK`` rows, a
+    width the row probe above does not reach, so this compares one such call with decoding
+    calls at its first rows and one verify block at its last ones. Where the bits differ (the
+    unpadded one-row int4 kernel, ``min_rows`` 1 on AVX2) prompts are always prefilled whole.
+    """
+    prefix = 3
+    width = min(PREFILL_CHUNK, engine.max_len - prefix - 1)
+    head = sum(DECODING_CALLS)
+    if width < head + 5:
+        engine.prefix_reuse = False
+        return False
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, engine.vocab_size, prefix + width)
+    sliding = engine.info.sliding_window
+    layers = range(engine.info.num_layers)
+
+    def run(start: int, n: int) -> None:
+        pos = np.arange(start, start + n, dtype=np.int64)
+        engine.forward(tokens[start:start + n], pos, causal_mask(start, pos, sliding))
+        engine.commit(n)
+
+    def kv(start: int, stop: int) -> list:
+        return [x for layer in layers for x in engine.cache.read(layer, start, stop)]
+
+    try:
+        engine.reset()
+        engine.extend(tokens[:prefix])
+        at = prefix
+        for n in DECODING_CALLS:
+            run(at, n)
+            at += n
+        decoded = kv(prefix, at)
+        engine.reset()
+        engine.extend(tokens[:prefix])
+        engine.extend(tokens[prefix:])  # one prompt chunk (the last rows' logits only, as prompts run)
+        prompt = kv(prefix, prefix + width)
+        same = all(np.array_equal(a[:head], b) for a, b in zip(prompt, decoded))
+        tail = prefix + width - 5
+        engine.rollback(tail)
+        run(tail, 5)  # a verify block at the chunk's last rows
+        same &= all(np.array_equal(a[-5:], b) for a, b in zip(prompt, kv(tail, tail + 5)))
+    finally:
+        engine.reset()
+    engine.prefix_reuse, engine.prefix_rows = bool(same), engine.min_rows
+    return engine.prefix_reuse
 
 
 def _warn_rows(engine: EngineBase, what: str) -> None:

@@ -43,6 +43,19 @@ def shared_pool_in_use() -> bool:
     return _GLOBAL_POOL is not None
 
 
+def pool_for_overlap(shared_thread_pool: bool) -> bool:
+    """``shared_thread_pool`` for an overlapped generator: False (its own pools), with a warning
+    where the process-wide pool was asked for or is already in use."""
+    if shared_thread_pool or shared_pool_in_use():
+        import warnings
+
+        warnings.warn("overlap=True: the models run on ONNX Runtime's process-wide thread pool, "
+                      "so the draft and the target compete for its workers (measured slower than "
+                      "their own pools: load without shared_thread_pool in a process that never "
+                      "enabled it)", stacklevel=4)
+    return False
+
+
 def _global_pool(threads: int) -> bool:
     """Create ONNX Runtime's process-wide thread pool once; False if it cannot be used.
 

@@ -62,14 +62,26 @@ def _eos(cfg: LoopConfig) -> set[int]:
 
 
 def prefill(target: OrtEngine, drafter, prompt: list[int], params: SamplingParams,
-            rng: np.random.Generator, stats: GenerationStats, t_start: float, seq: int = 0) -> list[int]:
+            rng: np.random.Generator, stats: GenerationStats, t_start: float, seq: int = 0,
+            owner: str | None = None) -> list[int]:
     """Prompt through the target (and the drafter), first token picked; returns the committed
     tokens. Runs as the sequence's own calls, whatever else is in flight.
 
-    Leaves the loop invariant in place: the target cache holds every token but the last.
+    Leaves the loop invariant in place: the target cache holds every token but the last. Where
+    the sequence still holds the K/V of a prefix of ``prompt`` (an earlier turn of the same
+    conversation) and the target's prompt K/V are bit for bit decoding's
+    (``target.prefix_reuse``), that prefix is kept and only the rest is run: the same logits, so
+    the same output, as a fresh prefill. ``owner``: who asks (OpenAI's ``user``), for engines
+    that reuse within one owner only.
     """
-    target.reset(seq)
-    tokens = list(prompt) + [_pick(target.extend(prompt, seq=seq), params, rng)]
+    reuse = target.reusable_prefix(prompt, seq, owner)
+    if reuse:
+        target.rollback(reuse, seq)
+    else:
+        target.reset(seq)
+    tokens = list(prompt) + [_pick(target.extend(prompt[reuse:], seq=seq), params, rng)]
+    target.track(tokens, seq, owner)  # grows with the row's commits: what a later prompt may reuse
+    stats.cached_prompt_tokens = reuse
     if drafter is not None:
         drafter.begin(prompt, seq)
     stats.time_prefill = stats.time_total = time.perf_counter() - t_start
@@ -81,7 +93,8 @@ def start_row(target: OrtEngine, drafter, row: Row) -> list[int]:
     """Prefill a row on its own sequence (``row.seq``); returns its first token (the loop's first
     output), with ``row.finished`` set if that token already ends it. Chains and trees alike."""
     t_start = time.perf_counter()
-    row.tokens = prefill(target, drafter, row.prompt, row.cfg.params, row.rng, row.stats, t_start, row.seq)
+    row.tokens = prefill(target, drafter, row.prompt, row.cfg.params, row.rng, row.stats, t_start, row.seq,
+                         row.cfg.user)
     row.clock = StepClock(target, drafter, t_start)
     if row.tokens[-1] in _eos(row.cfg):
         row.finished = "eos"
@@ -269,13 +282,24 @@ class BatchLoop:
     def admit(self, row: Row) -> list[int]:
         """Prefill ``row`` on a free sequence; returns its first token ([] with ``row.error`` set
         when its prompt cannot run, e.g. does not fit)."""
-        row.seq = self.free.pop()
+        row.seq = self._sequence_for(row.prompt, row.cfg.user)
         try:
             first = start_row(self.target, self.drafter, row)
         except (ContextOverflowError, GenerationInputError) as exc:
             row.error, row.finished, first = exc, "error", []
         self.active.append(row)
         return first
+
+    def _sequence_for(self, prompt: list[int], owner: str | None) -> int:
+        """The free sequence whose cache shares the longest prefix with ``prompt`` (a
+        conversation's next turn lands where its last turn's K/V are), else the next free one."""
+        best = len(self.free) - 1
+        if self.target.prefix_reuse and len(self.free) > 1:
+            shared = [self.target.reusable_prefix(prompt, q, owner) for q in self.free]
+            top = max(range(len(shared)), key=lambda i: (shared[i], i))
+            if shared[top] > 0:
+                best = top
+        return self.free.pop(best)
 
     def release(self) -> None:
         """Finished rows (by the loop, or marked by the consumer) leave and free their sequences."""

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt positions whose K/V a sequence already held (prefix reuse)
     new_tokens: int = 0
     target_calls: int = 0  # verify / decode calls after prefill
     draft_calls: int = 0

@@ -284,7 +284,7 @@ class SpecdecAPI:
                 elif event.kind == "done":
                     res = event.result
                     yield writer.finish(P.finish_reason(res.finish_reason),
-                                        P.usage(len(res.prompt_token_ids), len(res.token_ids)))
+                                        P.usage(len(res.prompt_token_ids), len(res.token_ids), res.stats.cached_prompt_tokens))
                     return
                 elif event.kind == "error":
                     yield writer.error(self.event_error(event))
@@ -306,7 +306,7 @@ class SpecdecAPI:
             return Response(status_code=499)  # nobody reads it; counted as 499 (client closed)
         res = event.result
         text = res.text if req.stop_given else self.gen.tokenizer.decode(res.token_ids)
-        use = P.usage(len(res.prompt_token_ids), len(res.token_ids))
+        use = P.usage(len(res.prompt_token_ids), len(res.token_ids), res.stats.cached_prompt_tokens)
         finish = P.finish_reason(res.finish_reason)
         if req.stream:  # finished within its first event (e.g. one token): still a stream
             writer = P.ChunkWriter(req.kind, self.config.model_name, req.include_usage)

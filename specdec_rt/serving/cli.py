@@ -86,6 +86,11 @@ def build_parser(prog: str = "specdec-serve") -> argparse.ArgumentParser:
                         "it matches, else the draft model (the fastest on real instruct pairs, docs/real-checkpoints.md); "
                         "suffix: suffix-tree drafting over the request (and the --suffix-pool); suffix_hybrid: suffix "
                         "where its match is strong, else the draft model")
+    g.add_argument("--prefix-cache", default="shared", choices=("off", "per-user", "shared"),
+                   help="a request whose prompt starts with what a cache sequence still holds (a chat's "
+                        "earlier turns) keeps that K/V and prefills the rest, where a load-time probe finds it "
+                        "bit-exact. per-user: only between requests of the same 'user' (a hit shows in the "
+                        "time to first token); off: prefill every prompt whole (default shared)")
     g.add_argument("--suffix-pool", default="off", choices=("off", "per-user", "shared"),
                    help="let the suffix drafters match earlier requests' outputs: per-user (one pool per request "
                         "'user', none without one) or shared (one pool for all: a single-tenant server). "
@@ -159,7 +164,8 @@ def main(argv: list[str] | None = None, prog: str = "specdec-serve") -> int:
                               shared_thread_pool=not args.overlap, overlap=args.overlap,
                               max_batch=args.max_batch if args.max_batch and args.max_batch > 1 else None,
                               suffix_pool=None if args.suffix_pool == "off" else specdec_rt.SuffixPool(
-                                  args.suffix_pool_tokens, per_user=args.suffix_pool == "per-user"))
+                                  args.suffix_pool_tokens, per_user=args.suffix_pool == "per-user"),
+                              prefix_cache={"off": False, "shared": True}.get(args.prefix_cache, args.prefix_cache))
         config = config_from_args(args, bundle)
         app = create_app(gen, config)
     except USER_ERRORS as exc:

@@ -10,7 +10,8 @@ series carry a ``model_name`` label, as vLLM's do.
 | ``P:num_requests_waiting`` | gauge | requests in the queue |
 | ``P:http_requests_total{method,route,status}`` | counter | HTTP responses by status |
 | ``P:request_success_total{finished_reason}`` | counter | finished generations: stop, length, abort (client gone), deadline, error |
-| ``P:prompt_tokens_total`` / ``P:generation_tokens_total`` | counter | tokens prefilled / generated |
+| ``P:prompt_tokens_total`` / ``P:generation_tokens_total`` | counter | prompt tokens / tokens generated |
+| ``P:prompt_tokens_cached_total`` | counter | prompt tokens whose K/V the cache already held (prefix cache hits) |
 | ``P:time_to_first_token_seconds`` | histogram | arrival to first token (queue wait included) |
 | ``P:inter_token_latency_seconds`` | histogram | per token: a step committing n tokens after t s counts n observations of t/n |
 | ``P:e2e_request_latency_seconds`` | histogram | arrival to the end of the generation |
@@ -62,7 +63,9 @@ class ServerMetrics:
         self.http = counter("http_requests", "HTTP responses by method, route and status.",
                             ("method", "route", "status"))
         self.success = counter("request_success", "Finished generations by finish reason.", ("finished_reason",))
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.").labels(model_name)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens.").labels(model_name)
+        self.prompt_tokens_cached = counter("prompt_tokens_cached",
+                                            "Prompt tokens whose K/V the prefix cache held.").labels(model_name)
         self.generation_tokens = counter("generation_tokens", "Tokens generated.").labels(model_name)
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Latency per generated token after the first.",
@@ -122,6 +125,7 @@ class ServerMetrics:
             return
         self.e2e.observe(time.monotonic() - job.arrival)
         self.prompt_tokens.inc(result.stats.prompt_tokens)
+        self.prompt_tokens_cached.inc(result.stats.cached_prompt_tokens)
         self.generation_tokens.inc(len(result.token_ids))
         stats = result.stats
         drafts = stats.per_position_proposed[0] if stats.per_position_proposed else 0
