@@ -145,12 +145,15 @@ def test_edits_suite_end_to_end(spec_bench_files, tiny_pair, tmp_path):
     work = tmp_path / "edits.jsonl"
     work.write_text(json.dumps({"session": "s", "path": "a.py", "file": "def f(x):\n    return x\n",
                                 "edits": ["Rename f to g.", "Add a docstring."]}) + "\n")
-    for bundle in (spec_bench_files["bundle"], tiny_pair["bundle"]):  # a chat template, then plain text
-        out = tmp_path / bundle.name
+    # a chat template, then plain text, then plain text prefilling every turn's whole history
+    for bundle, extra in ((spec_bench_files["bundle"], []), (tiny_pair["bundle"], []),
+                          (tiny_pair["bundle"], ["--no-prefix-cache"])):
+        out = tmp_path / (bundle.name + "".join(extra))
         rc = main(["--bundle", str(bundle), "--suite", "edits", str(work), "--max-new-tokens", "12",
-                   "--repeats", "1", "--threads", "1", "--out", str(out), "--quiet"])
+                   "--repeats", "1", "--threads", "1", "--out", str(out), "--quiet", *extra])
         assert rc == 0
         res = json.loads((out / "edits.json").read_text())
+        assert res["settings"]["prefix_cache"] is not bool(extra)
         assert res["suite"] == "edits" and list(res["per_category"]) == ["turn 1", "turn 2"]
         names = [r["system"] for r in res["overall"]]
         assert names[0] == "target-only" and {"suffix K=auto", "suffix_hybrid K=auto", "model K=auto"} <= set(names)

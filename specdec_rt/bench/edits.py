@@ -171,7 +171,7 @@ def run_edits(cfg: EditsConfig) -> dict:
                 turns_of: list[tuple[Question, list[int], str]] = []
 
                 def run_turn(s: System, q: Question, ids: list[int], text: str) -> None:
-                    runs[s.name][q.index].append(s.run(q, ids, text, cfg.max_new_tokens))
+                    runs[s.name][q.question_id].append(s.run(q, ids, text, cfg.max_new_tokens))
                     if bar is not None:
                         bar.update(1)
 
