@@ -111,6 +111,7 @@ def test_rows_leave_at_different_times_and_slots_are_reused(tiny_gen, monkeypatc
         return real(tokens, chunk, seq)
 
     monkeypatch.setattr(tiny_gen.target, "extend", counting)
+    monkeypatch.setattr(tiny_gen.target, "prefix_reuse", False)  # whole prompts (the solo runs are cached)
     rows = [{"prompt": p, "max_new_tokens": n} for p, n in zip(PROMPTS, budgets)]
     out = tiny_gen.generate_batch(rows, batch_size=2, num_draft_tokens=3, ignore_eos=True)
     assert [r.token_ids for r in out] == base

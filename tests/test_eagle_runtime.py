@@ -272,6 +272,13 @@ def test_server_auto_drafter_is_the_cheaper_one(eagle_pair, eagle_gen, tiny_gen,
     assert measured == ("eagle" if store.head_step <= store.cost_model.draft_step else "model")
     store.head_step = store.cost_model.draft_step * 2  # a head dearer than the draft model
     api = SpecdecAPI(gen, ServerConfig(model_name="both"))
-    assert api.defaults["drafter"] == "model"
+    # the draft is the target itself (c ~ 1): chains draft where the suffix match is weak only
+    assert api.defaults["tree_drafter"] == "model" and api.defaults["drafter"] == "suffix_hybrid"
+    assert SpecdecAPI(gen, ServerConfig(model_name="both", speculation="tree")).defaults["drafter"] == "model"
+    cost = store.cost_model
+    saved = cost.draft_step
+    cost.draft_step = 0.05 * cost.target(1)  # a draft as cheap as the reference pair's
+    assert SpecdecAPI(gen, ServerConfig(model_name="both")).defaults["drafter"] == "model"
+    cost.draft_step = saved
     store.head_step = store.cost_model.draft_step / 2
     assert SpecdecAPI(gen, ServerConfig(model_name="both")).defaults["drafter"] == "eagle"

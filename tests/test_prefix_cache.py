@@ -138,3 +138,27 @@ def test_probe_refuses_reuse_where_prompt_and_decoding_bits_differ(tiny_pair):
     finally:
         target.__class__ = OrtEngine
     assert probe_prefix_reuse(target) is True
+
+
+def test_alternating_conversations_each_keep_their_own_sequence(gens):
+    """Two chats taking turns through batch calls (as the server's scheduler runs requests):
+    each turn lands on the sequence its conversation's last turn left (the other sequences hold
+    the other chat), and unrelated prompts evict the least recently used sequence first, not a
+    live conversation. (The one-sequence API keeps one conversation, on sequence 0.)"""
+    cached, fresh = gens
+    cached.clear_prefix_cache()
+    assert cached.target.max_batch == 4
+    convs = {"a": cached.encode_prompt("def area(r):\n"), "b": cached.encode_prompt("import json\n")}
+    more = cached.encode_prompt("\n# more\n")
+    kw = dict(max_new_tokens=10, temperature=0.0, num_draft_tokens=3, batch_size=4)
+    for turn in range(3):
+        for name, ids in list(convs.items()):
+            res = cached.generate_batch([ids], **kw)[0]
+            assert res.token_ids == fresh.generate_batch([ids], **kw)[0].token_ids
+            if turn:
+                assert res.stats.cached_prompt_tokens >= len(ids) - len(more) - 1, (turn, name)
+            convs[name] = ids + res.token_ids + more
+    for other in ("x = 1\n", "y = 2\n", "z = 3\n"):  # the two empty sequences, then the oldest (a)
+        cached.generate_batch([cached.encode_prompt(other)], **kw)
+    assert cached.generate_batch([convs["b"]], **kw)[0].stats.cached_prompt_tokens > 0  # b: used after a
+    assert cached.generate_batch([convs["a"]], **kw)[0].stats.cached_prompt_tokens == 0  # a: evicted

@@ -199,7 +199,7 @@ def test_stop_strings_and_seeded_sampling(server, tiny_gen):
     for stream in (False, True):
         out = c.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=16, temperature=0.9, top_p=0.95,
                                    seed=11, stream=stream,
-                                   extra_body={"top_k": 40, "specdec": {"num_draft_tokens": 3}})
+                                   extra_body={"top_k": 40, "specdec": {"num_draft_tokens": 3, "drafter": "model"}})
         text = "".join(ch.choices[0].text for ch in out) if stream else out.choices[0].text
         assert text == want.text
 
@@ -663,7 +663,7 @@ def test_batch_server_concurrent_requests_equal_library(tiny_pair, tiny_gen):
     from concurrent.futures import ThreadPoolExecutor
 
     with serve(tiny_pair["bundle"], scheduler="batch", max_batch=4, step_delay=0.002,
-               num_draft_tokens=3) as (url, app):
+               num_draft_tokens=3, drafter="model") as (url, app):  # seeded draws: the library's drafter
         c = client(url)
 
         def one(case):

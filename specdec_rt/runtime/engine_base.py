@@ -8,6 +8,7 @@ its own module so that both engines (:mod:`specdec_rt.runtime.engine`,
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
@@ -23,6 +24,16 @@ PREFILL_CHUNK = 256
 # calls (a draft's catch-up of the 1-3 tokens a verify accepted) compute every row, which costs
 # little there and keeps them on the draft's windowed bindings, which bind the contract only
 KEEP_LAST_FROM = 8
+
+
+@dataclass
+class HeldPrefix:
+    """The tokens whose K/V fill a sequence's first ``min(len(tokens), length)`` positions, who
+    asked for them, and when (a stamp for least-recently-used choices)."""
+
+    tokens: list[int]
+    owner: str | None
+    stamp: int
 
 
 class EngineBase:
@@ -90,17 +101,17 @@ class EngineBase:
         if not 0 <= length <= self.lengths[seq]:
             raise ValueError(f"cannot roll back to {length} (cache holds {self.lengths[seq]})")
         self.lengths[seq] = length
-        held = self._held()
-        if held[seq] is not None and len(held[seq]) > length:
-            held[seq] = held[seq][:length]  # a copy: the tracked list may grow past what stays
+        held = self._held()[seq]
+        if held is not None and len(held.tokens) > length:
+            held.tokens = held.tokens[:length]  # a copy: the tracked list may grow past what stays
 
     # -- prefix reuse -------------------------------------------------------------------------
-    def _held(self) -> list[list[int] | None]:
-        """Per sequence, the token list whose first ``min(len, lengths[seq])`` entries are the
-        tokens of its cached positions (None: unknown). Lazily sized: subclasses set ``lengths``."""
-        held = self.__dict__.get("_held_tokens")
+    def _held(self) -> list[HeldPrefix | None]:
+        """Per sequence, what its cached positions hold (None: unknown). Lazily sized, since
+        subclasses set ``lengths``."""
+        held = self.__dict__.get("_held_prefixes")
         if held is None or len(held) != len(self.lengths):
-            held = self.__dict__["_held_tokens"] = [None] * len(self.lengths)
+            held = self.__dict__["_held_prefixes"] = [None] * len(self.lengths)
         return held
 
     def track(self, tokens: list[int], seq: int = 0, owner: str | None = None) -> None:
@@ -110,14 +121,14 @@ class EngineBase:
         loop's invariant: the cache holds every committed token but the last), so it stays true
         without per-step work; :meth:`reset` and :meth:`rollback` end or cut it. ``owner``: who
         asked (with :attr:`prefix_per_owner`, only the same owner reuses it)."""
-        self._held()[seq] = tokens
-        self._owners()[seq] = owner
+        self.__dict__["_prefix_clock"] = stamp = self.__dict__.get("_prefix_clock", 0) + 1
+        self._held()[seq] = HeldPrefix(tokens, owner, stamp)
 
-    def _owners(self) -> list[str | None]:
-        owners = self.__dict__.get("_held_owners")
-        if owners is None or len(owners) != len(self.lengths):
-            owners = self.__dict__["_held_owners"] = [None] * len(self.lengths)
-        return owners
+    def prefix_stamp(self, seq: int = 0) -> int:
+        """When sequence ``seq``'s prefix was last tracked (larger: later; -1: it holds none):
+        the least recently used sequence is the one to give a prompt that reuses nothing."""
+        held = self._held()[seq]
+        return -1 if held is None else held.stamp
 
     def reusable_prefix(self, prompt, seq: int = 0, owner: str | None = None) -> int:
         """How many leading positions of sequence ``seq`` a prefill of ``prompt`` (asked by
@@ -126,12 +137,12 @@ class EngineBase:
         held = self._held()[seq]
         if not self.prefix_reuse or held is None or self.min_rows != self.prefix_rows:
             return 0
-        if self.prefix_per_owner and (owner is None or self._owners()[seq] != owner):
+        if self.prefix_per_owner and (owner is None or held.owner != owner):
             return 0
-        n = min(len(held), self.lengths[seq], len(prompt) - 1)
+        n = min(len(held.tokens), self.lengths[seq], len(prompt) - 1)
         if n <= 0:
             return 0
-        a, b = np.asarray(held[:n]), np.asarray(prompt[:n])
+        a, b = np.asarray(held.tokens[:n]), np.asarray(prompt[:n])
         diff = np.flatnonzero(a != b)
         return int(diff[0]) if len(diff) else n
 

@@ -1,8 +1,8 @@
 """The prefix cache: a prompt that starts with what a cache sequence still holds keeps those
 positions' K/V, and only the rest is prefilled.
 
-Multi-turn chats and agents re-send their whole history every turn; prefilling it again costs
-more than the answer on a 2-core CPU (~40% of a code-edit session's time at 1.5B). The K/V a
+Multi-turn chats and agents re-send their whole history every turn; prefilling it again cost
+~3.5 s a turn on 2 cores at 1.5B int4, ~40% of a code-edit session's time. The K/V a
 sequence holds were written while its last turn was decoded (verify and plain-step calls), not
 by a prompt chunk, so reuse is exact only where the target computes a position's K/V bit for
 bit alike in both: :func:`~specdec_rt.runtime.probes.probe_prefix_reuse` measures that at load

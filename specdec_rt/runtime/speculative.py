@@ -272,12 +272,17 @@ class BatchLoop:
         self.stepper = stepper  # another step over the active rows (trees: tree.TreeStep); None: chains
         self.num_draft_tokens = num_draft_tokens
         self.batch_stats = batch_stats
-        self.free = list(range(max_rows - 1, -1, -1))  # cache sequences, lowest first
+        self.max_rows = max_rows
+        # cache sequences, lowest first (one row: sequence 0). Batches with prefix reuse may use
+        # every sequence of the engine, so that a conversation finds the one its last turn left
+        # (at most max_rows decode at once)
+        seqs = getattr(target, "max_batch", 1) if target.prefix_reuse and max_rows > 1 else max_rows
+        self.free = list(range(max(seqs, max_rows) - 1, -1, -1))
         self.active: list[Row] = []
 
     @property
     def has_room(self) -> bool:
-        return bool(self.free)
+        return bool(self.free) and len(self.active) < self.max_rows
 
     def admit(self, row: Row) -> list[int]:
         """Prefill ``row`` on a free sequence; returns its first token ([] with ``row.error`` set
@@ -292,13 +297,16 @@ class BatchLoop:
 
     def _sequence_for(self, prompt: list[int], owner: str | None) -> int:
         """The free sequence whose cache shares the longest prefix with ``prompt`` (a
-        conversation's next turn lands where its last turn's K/V are), else the next free one."""
-        best = len(self.free) - 1
+        conversation's next turn lands where its last turn's K/V are); with none, the one whose
+        held prefix was used least recently (an empty one first), so the others stay reusable."""
+        best = len(self.free) - 1  # the lowest free sequence
         if self.target.prefix_reuse and len(self.free) > 1:
             shared = [self.target.reusable_prefix(prompt, q, owner) for q in self.free]
             top = max(range(len(shared)), key=lambda i: (shared[i], i))
             if shared[top] > 0:
                 best = top
+            else:
+                best = min(range(len(self.free)), key=lambda i: (self.target.prefix_stamp(self.free[i]), -i))
         return self.free.pop(best)
 
     def release(self) -> None:

@@ -134,11 +134,15 @@ class SpecdecAPI:
             self.scheduler.warm_up = lambda: generator.warm_up(self.scheduler.capacity)
         self.context = generator.max_length
         self.max_tokens_limit = config.max_tokens_limit or self.context
-        drafter = config.drafter
-        if drafter == "auto":  # the cheaper of the bundle's head and draft model, else target-only
-            drafter = generator.policies.cheaper_drafter()
+        drafter = tree_drafter = config.drafter
+        if drafter == "auto":  # chains: the cheaper of head and draft model, or the suffix hybrid
+            # where the draft model is dear; trees: the cheaper of head and draft model
+            tree_drafter = generator.policies.cheaper_drafter()
+            drafter = tree_drafter if config.speculation == "tree" else generator.policies.serving_drafter()
+            log.info("--drafter auto: %s (trees: %s)", drafter, tree_drafter)
         self.defaults = {"num_draft_tokens": config.num_draft_tokens, "drafter": None if drafter == "none" else drafter,
-                         "speculation": config.speculation}
+                         "speculation": config.speculation,
+                         "tree_drafter": None if tree_drafter == "none" else tree_drafter}
         self.created = int(time.time())
         # tokenization / chat templates off the event loop, on two threads (a bounded number of
         # threads keeps the process's memory flat: each new thread may get its own malloc arena)
@@ -364,7 +368,7 @@ class SpecdecAPI:
         stream = args.pop("stream")
         prompt = args.pop("prompt")
         if args["drafter"] == "default":
-            args["drafter"] = self.defaults["drafter"]
+            args["drafter"] = self.defaults["tree_drafter" if args.get("speculation") == "tree" else "drafter"]
         try:
             ids = await self.off_loop(self.gen.encode_prompt, prompt)
             job = self.submit(GenSpec(ids, args, self.config.request_timeout))

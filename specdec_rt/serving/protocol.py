@@ -182,6 +182,8 @@ def _common(body: dict, kind: str, accepted: set[str], served_model: str, defaul
             raise bad(f"'{name}' must be a string", name, "invalid_type")
 
     spec = dict(defaults)
+    # a request asking for trees without naming a drafter gets the server's tree drafter
+    tree_drafter = spec.pop("tree_drafter", spec.get("drafter"))
     ext = body.get("specdec")
     if ext is not None:
         if not isinstance(ext, dict):
@@ -213,6 +215,8 @@ def _common(body: dict, kind: str, accepted: set[str], served_model: str, defaul
             if t <= 0:
                 raise bad("'specdec.timeout' must be > 0 seconds", "specdec.timeout", "invalid_value")
             req.timeout = t
+    if spec.get("speculation") == "tree" and not (isinstance(ext, dict) and "drafter" in ext):
+        spec["drafter"] = tree_drafter
     if max_timeout is not None:
         req.timeout = max_timeout if req.timeout is None else min(req.timeout, max_timeout)
     req.stop_given = bool(stop)
