@@ -230,6 +230,26 @@ def test_chat_equals_library(chat_server, chat_bundle):
         .choices[0].message.content == want.text
 
 
+def test_next_chat_turn_reuses_the_conversation(chat_server, chat_bundle):
+    """A chat's second turn through the server: the prompt tokens its first turn left in the
+    cache are reused (usage.prompt_tokens_details.cached_tokens, prompt_tokens_cached_total)
+    and the answer is the library's fresh one."""
+    import specdec_rt
+
+    fresh = specdec_rt.load(chat_bundle, threads=1, prefix_cache=False)
+    c = client(chat_server)
+    before = metrics(chat_server).get(("specdec:prompt_tokens_cached_total", ()), 0.0)
+    first = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0)
+    history = MESSAGES + [{"role": "assistant", "content": first.choices[0].message.content},
+                          {"role": "user", "content": "Now make it subtract."}]
+    out = c.chat.completions.create(model="tiny", messages=history, max_tokens=12, temperature=0)
+    assert out.choices[0].message.content == fresh.chat(history, max_new_tokens=12, temperature=0).text
+    cached = out.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < out.usage.prompt_tokens
+    assert cached >= len(fresh.apply_chat_template(MESSAGES, tokenize=True))  # at least the first prompt
+    assert metrics(chat_server)[("specdec:prompt_tokens_cached_total", ())] >= before + cached
+
+
 def test_chat_without_template_is_400(server):
     with pytest.raises(openai.BadRequestError, match="no chat template"):
         client(server).chat.completions.create(model="tiny", messages=MESSAGES)
