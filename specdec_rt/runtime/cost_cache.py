@@ -67,36 +67,46 @@ def engine_settings(engine) -> dict:
             "own_pool": getattr(opts, "use_per_session_threads", None)}
 
 
-def load_cost(key: str) -> dict | None:
-    """``{"target_times": [...], "draft_step": c, "widths": {B: (times, c)}}`` or None."""
-    d = cache_dir()
+def _read(d: Path | None, key: str) -> dict | None:
+    """The JSON object ``d/<key>.json`` of this cache's version, or None (absent, unreadable,
+    another version, caching off)."""
     if d is None:
         return None
     try:
         data = json.loads((d / f"{key}.json").read_text())
-        if data.get("version") != VERSION:
-            return None
-        return {"target_times": [float(x) for x in data["target_times"]], "draft_step": float(data["draft_step"]),
-                "widths": {int(b): ([float(x) for x in t], float(c)) for b, (t, c) in data["widths"].items()}}
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("version") == VERSION else None
+
+
+def _write(d: Path | None, key: str, data: dict) -> None:
+    """Write atomically (a reader never sees half a file); a read-only cache is not an error."""
+    if d is None:
+        return
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": VERSION, **data}, f)
+        os.replace(tmp, d / f"{key}.json")
+    except OSError:
+        pass
+
+
+def load_cost(key: str) -> dict | None:
+    """``{"target_times": [...], "draft_step": c, "widths": {B: (times, c)}}`` or None."""
+    data = _read(cache_dir(), key)
+    try:
+        return None if data is None else {
+            "target_times": [float(x) for x in data["target_times"]], "draft_step": float(data["draft_step"]),
+            "widths": {int(b): ([float(x) for x in t], float(c)) for b, (t, c) in data["widths"].items()}}
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
 def save_cost(key: str, target_times: list[float], draft_step: float, widths: dict) -> None:
-    """Write atomically (a reader never sees half a file); a read-only cache is not an error."""
-    d = cache_dir()
-    if d is None:
-        return
-    data = {"version": VERSION, "target_times": list(target_times), "draft_step": draft_step,
-            "widths": {str(b): [list(t), c] for b, (t, c) in widths.items()}}
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=".cost-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, d / f"{key}.json")
-    except OSError:
-        pass
+    _write(cache_dir(), key, {"target_times": list(target_times), "draft_step": draft_step,
+                              "widths": {str(b): [list(t), c] for b, (t, c) in widths.items()}})
 
 
 def _cpu_flags() -> str:
@@ -126,26 +136,9 @@ def _probe_dir() -> Path | None:
 
 def load_probe(key: str) -> bool | None:
     """A stored probe verdict, or None (not measured here yet, unreadable, caching off)."""
-    d = _probe_dir()
-    if d is None:
-        return None
-    try:
-        data = json.loads((d / f"{key}.json").read_text())
-        return bool(data["verdict"]) if data.get("version") == VERSION else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    data = _read(_probe_dir(), key)
+    return None if data is None or not isinstance(data.get("verdict"), bool) else data["verdict"]
 
 
 def save_probe(key: str, verdict: bool) -> None:
-    """Write atomically; a read-only cache is not an error."""
-    d = _probe_dir()
-    if d is None:
-        return
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=".probe-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump({"version": VERSION, "verdict": bool(verdict)}, f)
-        os.replace(tmp, d / f"{key}.json")
-    except OSError:
-        pass
+    _write(_probe_dir(), key, {"verdict": bool(verdict)})
