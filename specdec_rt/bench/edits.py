@@ -159,6 +159,12 @@ def run_edits(cfg: EditsConfig) -> dict:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.repeats * sum(len(s.edits) for s in sessions) * len(systems), desc="edits", unit="run")
+
+    def run_turn(s: System, q: Question, ids: list[int], text: str) -> None:
+        runs[s.name][q.question_id].append(s.run(q, ids, text, cfg.max_new_tokens))
+        if bar is not None:
+            bar.update(1)
+
     try:
         first = Conversation(gen, sessions[0]).prompt(0)[0]
         for s in systems:  # warm-up: loads, probes, first-call allocations
@@ -169,12 +175,6 @@ def run_edits(cfg: EditsConfig) -> dict:
             for sess in sessions:
                 conv = Conversation(gen, sess)
                 turns_of: list[tuple[Question, list[int], str]] = []
-
-                def run_turn(s: System, q: Question, ids: list[int], text: str) -> None:
-                    runs[s.name][q.question_id].append(s.run(q, ids, text, cfg.max_new_tokens))
-                    if bar is not None:
-                        bar.update(1)
-
                 for t in range(len(sess.edits)):
                     ids, text = conv.prompt(t)
                     if len(ids) + cfg.max_new_tokens >= gen.max_length:

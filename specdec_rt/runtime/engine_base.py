@@ -7,6 +7,7 @@ its own module so that both engines (:mod:`specdec_rt.runtime.engine`,
 """
 from __future__ import annotations
 
+import itertools
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
@@ -24,6 +25,9 @@ PREFILL_CHUNK = 256
 # calls (a draft's catch-up of the 1-3 tokens a verify accepted) compute every row, which costs
 # little there and keeps them on the draft's windowed bindings, which bind the contract only
 KEEP_LAST_FROM = 8
+
+
+_STAMPS = itertools.count(1)  # HeldPrefix.stamp: increasing, so larger is more recently tracked
 
 
 @dataclass
@@ -69,13 +73,13 @@ class EngineBase:
         saved = self.min_rows
         if min_rows is not None and min_rows != saved:
             self.min_rows = min_rows
-            self._held()[:] = [None] * len(self.lengths)  # K/V computed at the other padding
+            self._forget_prefixes()  # K/V computed at the other padding
         try:
             yield
         finally:
             if self.min_rows != saved:
                 self.min_rows = saved
-                self._held()[:] = [None] * len(self.lengths)
+                self._forget_prefixes()
 
     @property
     def length(self) -> int:
@@ -88,13 +92,12 @@ class EngineBase:
 
     def reset(self, seq: int | None = None) -> None:
         """Forget sequence ``seq`` (every sequence if None)."""
-        held = self._held()
         if seq is None:
             self.lengths = [0] * len(self.lengths)
-            held[:] = [None] * len(held)
+            self._forget_prefixes()
         else:
             self.lengths[seq] = 0
-            held[seq] = None
+            self._held()[seq] = None
 
     def rollback(self, length: int, seq: int = 0) -> None:
         """O(1): forget everything after ``length``."""
@@ -114,6 +117,10 @@ class EngineBase:
             held = self.__dict__["_held_prefixes"] = [None] * len(self.lengths)
         return held
 
+    def _forget_prefixes(self) -> None:
+        held = self._held()
+        held[:] = [None] * len(held)
+
     def track(self, tokens: list[int], seq: int = 0, owner: str | None = None) -> None:
         """Sequence ``seq``'s cached positions hold the K/V of ``tokens``, as far as both go.
 
@@ -121,8 +128,7 @@ class EngineBase:
         loop's invariant: the cache holds every committed token but the last), so it stays true
         without per-step work; :meth:`reset` and :meth:`rollback` end or cut it. ``owner``: who
         asked (with :attr:`prefix_per_owner`, only the same owner reuses it)."""
-        self.__dict__["_prefix_clock"] = stamp = self.__dict__.get("_prefix_clock", 0) + 1
-        self._held()[seq] = HeldPrefix(tokens, owner, stamp)
+        self._held()[seq] = HeldPrefix(tokens, owner, next(_STAMPS))
 
     def prefix_stamp(self, seq: int = 0) -> int:
         """When sequence ``seq``'s prefix was last tracked (larger: later; -1: it holds none):

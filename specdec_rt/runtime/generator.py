@@ -73,7 +73,7 @@ class Generator:
             probe_batch_invariance(self.target, warn=max_batch is not None and max_batch > 1)
         # a chat's next turn keeps its earlier turns' K/V where that changes no bit (TensorRT: off)
         enable_prefix_cache(self.target, bundle.manifest, bundle.target.graph, prefix_cache,
-                            probe=isinstance(self.target, OrtEngine))
+                            probe=probe_rows and isinstance(self.target, OrtEngine))
         self.chat_template = (ChatTemplate(bundle.chat_template, bundle.special_token_strings)
                               if bundle.chat_template is not None else None)
         self.generation_defaults = GenerationDefaults.from_config(bundle.generation_config)
@@ -371,8 +371,8 @@ def load(bundle: str | os.PathLike, provider: str = "cpu", draft_provider: str |
     alike in a one-row call and in a verify call, and pad one-row calls to two rows where it
     does not (int4 MatMulNBits on CPU): what keeps greedy speculation token-identical to
     target-only decoding (:func:`specdec_rt.runtime.probes.probe_row_invariance`), and whether a
-    sequence's logits are the same in a batched call as alone (if not, batches run one sequence
-    per call: :func:`specdec_rt.runtime.probes.probe_batch_invariance`).
+    sequence's logits are the same in a batched call as alone (else one sequence per call:
+    :func:`specdec_rt.runtime.probes.probe_batch_invariance`); False also leaves prefix reuse off.
     ``max_batch``: sequences :meth:`Generator.generate_batch` may run at once (default 8 on the
     CPU provider, 1 on GPU providers, where batched calls are not implemented yet).
     ``overlap``: the default of every generation's ``overlap`` (draft the next block while the

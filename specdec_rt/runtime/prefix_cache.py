@@ -19,13 +19,10 @@ from specdec_rt.runtime import cost_cache
 from specdec_rt.runtime.engine_base import EngineBase
 from specdec_rt.runtime.probes import probe_prefix_reuse
 
-SETTINGS = (True, False, "per-user")
-
-
 def check_setting(setting) -> None:
     """``load(prefix_cache=...)``: True (reuse between any requests), "per-user" (only between
     requests of the same ``user``: a hit shows in the time to first token) or False."""
-    if setting not in SETTINGS or (setting is not True and setting is not False and not isinstance(setting, str)):
+    if not (setting is True or setting is False or setting == "per-user"):
         raise GenerationInputError(f"prefix_cache must be True, False or 'per-user', got {setting!r}")
 
 
