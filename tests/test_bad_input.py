@@ -51,10 +51,22 @@ def test_invalid_sampling_values(tiny_gen, kwargs, word):
     (dict(num_draft_tokens=-1), "num_draft_tokens"),
     (dict(drafter="medusa"), "drafter"),
     (dict(speculation="forest"), "speculation"),
+    (dict(temperature=1.0, seed=-1), "seed"),  # numpy's own ValueError before
+    (dict(temperature=1.0, seed=1.5), "seed"),
+    (dict(stop=""), "stop"),  # an empty stop string would end every generation at once
+    (dict(stop=["ok", ""]), "stop"),
+    (dict(stop=[3]), "stop"),
 ])
 def test_invalid_generation_arguments(tiny_gen, kwargs, word):
     with pytest.raises(GenerationInputError, match=word):
         tiny_gen.generate([1, 2, 3], **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(threads=0), dict(threads=-1), dict(draft_threads=0), dict(threads=1.5)])
+def test_invalid_thread_counts(tiny_pair, kwargs):
+    """ONNX Runtime would take 0 or a negative count as its default without a word."""
+    with pytest.raises(GenerationInputError, match="threads must be an integer >= 1"):
+        specdec_rt.load(tiny_pair["bundle"], **kwargs)
 
 
 def test_token_ids_outside_vocabulary(tiny_gen):

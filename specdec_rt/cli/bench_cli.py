@@ -13,6 +13,24 @@ def _csv(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
+def _ints(allow_auto: bool = False):
+    """An argparse type: a comma-separated list of positive integers (bad items get argparse's
+    one-line usage error, not a traceback). With ``allow_auto`` (``--k``), ``auto`` may appear:
+    adaptive K runs anyway unless ``--no-auto``."""
+    def parse(value: str) -> list[int]:
+        out = []
+        for item in _csv(value):
+            if allow_auto and item == "auto":
+                continue
+            if not item.isdigit() or int(item) == 0:
+                raise argparse.ArgumentTypeError(
+                    f"expected positive integers, comma separated, got {item!r}"
+                    + (" (K=auto runs unless --no-auto)" if allow_auto else ""))
+            out.append(int(item))
+        return out
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="specdec-bench", description=__doc__)
     ap.add_argument("--bundle", required=True)
@@ -20,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prompts file (.jsonl with a 'prompt' field, or text blocks separated by blank "
                          "lines); default: the reference pair's held-out prompts")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--k", default="1,2,4,8", help="draft lengths to run, comma separated")
+    ap.add_argument("--k", default="1,2,4,8", type=_ints(allow_auto=True),
+                    help="draft lengths to run, comma separated (K=auto also runs, unless --no-auto)")
     ap.add_argument("--drafter", default=None, help="drafters, comma separated (default model,prompt_lookup, plus eagle when the bundle "
                     "has an EAGLE-3 head; with --suite edits: model,prompt_lookup,hybrid,suffix,suffix_hybrid)")
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -30,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=2, help="interleaved repeats per prompt")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-tree", action="store_true", help="skip tree speculation")
-    ap.add_argument("--tree-budgets", default="7,10,15",
+    ap.add_argument("--tree-budgets", default="7,10,15", type=_ints(),
                     help="tree node budgets; each also runs a chain of the same verify width")
     ap.add_argument("--no-auto", action="store_true", help="skip adaptive K")
     ap.add_argument("--overlap", action="store_true",
@@ -43,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="only the cost model (T(S), c, predicted speedups) and, with --compare-graphs, "
                          "the graph comparison: no generation runs (for large checkpoints)")
     ap.add_argument("--peer-cache", default="out/peer-models", help="where peer model exports are cached")
-    ap.add_argument("--batch", default=None,
+    ap.add_argument("--batch", default=None, type=_ints(),
                     help="batch sizes, comma separated (e.g. 1,2,4,8): measure total throughput of that many "
                          "concurrent prompts, speculative (--k, K=auto) vs target-only at each size, instead "
                          "of the single-sequence benchmark; writes batch_results.json/.md and batch_throughput.png")
@@ -68,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --suite spec-bench: other bundles of the same checkpoint (comma separated), whose "
                          "target-only decoding on its one-row kernel joins the baselines: speedups are over "
                          "the fastest target-only of any of them (e.g. a w8a8 bundle against the int4 export)")
-    ap.add_argument("--peer-k", default="4", help="with --suite: the peers' draft lengths, comma separated")
+    ap.add_argument("--peer-k", default="4", type=_ints(), help="with --suite: the peers' draft lengths, comma separated")
     ap.add_argument("--gguf-target", default=None,
                     help="llama.cpp peer: the target's GGUF file (default: the bundle's source, if it was a GGUF)")
     ap.add_argument("--gguf-draft", default=None, help="llama.cpp peer: the draft's GGUF file (default: as --gguf-target)")
@@ -95,11 +114,11 @@ def main(argv: list[str] | None = None) -> int:
             return _batch(args, prompts, argv)
         cfg = BenchConfig(
             bundle=args.bundle, prompts=prompts, max_new_tokens=args.max_new_tokens,
-            ks=[int(k) for k in _csv(args.k)], temperature=args.temperature,
+            ks=args.k, temperature=args.temperature,
             drafters=_csv(args.drafter) + ([] if args.drafter_given else ["eagle"]),  # eagle: skipped without a head
             peers=_csv(args.peers), repeats=args.repeats, threads=args.threads, tree=not args.no_tree,
             auto=not args.no_auto, peer_cache=args.peer_cache, progress=not args.quiet,
-            compare_graphs=args.compare_graphs, graphs_only=args.graphs_only, tree_budgets=[int(b) for b in _csv(args.tree_budgets)],
+            compare_graphs=args.compare_graphs, graphs_only=args.graphs_only, tree_budgets=args.tree_budgets,
             overlap=args.overlap, clock=args.clock, gguf_target=args.gguf_target, gguf_draft=args.gguf_draft,
         )
         return _finish(run_bench(cfg), report.write, args.out, argv)
@@ -137,9 +156,9 @@ def _suite(args, argv) -> int:
     cfg = spec_bench.SpecBenchConfig(
         bundle=args.bundle, questions=rest[0] if rest else "",
         categories=_csv(args.categories) if args.categories else None, per_category=args.questions_per_category,
-        max_new_tokens=args.max_new_tokens, ks=[int(k) for k in _csv(args.k)], drafters=_csv(args.drafter),
+        max_new_tokens=args.max_new_tokens, ks=args.k, drafters=_csv(args.drafter),
         auto=not args.no_auto, tree=not args.no_tree, peers=_csv(args.peers),
-        peer_ks=[int(k) for k in _csv(args.peer_k)], repeats=args.repeats, threads=args.threads,
+        peer_ks=args.peer_k, repeats=args.repeats, threads=args.threads,
         peer_cache=args.peer_cache, gguf_target=args.gguf_target, gguf_draft=args.gguf_draft,
         progress=not args.quiet, baseline_bundles=_csv(args.baseline_bundle) if args.baseline_bundle else [])
     return _finish(spec_bench.run_spec_bench(cfg), spec_bench.write, args.out, argv)
@@ -149,14 +168,11 @@ def _batch(args, prompts: list[str], argv) -> int:
     from specdec_rt.bench import batch
     from specdec_rt.errors import GenerationInputError
 
-    try:
-        sizes = [int(b) for b in _csv(args.batch)]
-    except ValueError:
-        raise GenerationInputError(f"--batch takes batch sizes like 1,2,4,8, got {args.batch!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise GenerationInputError(f"--batch sizes must be >= 1, got {args.batch!r}")
+    sizes = args.batch  # positive integers (checked by the parser)
+    if not sizes:
+        raise GenerationInputError("--batch takes batch sizes like 1,2,4,8")
     cfg = batch.BatchBenchConfig(
-        bundle=args.bundle, prompts=prompts, batches=sizes, ks=[int(k) for k in _csv(args.k)],
+        bundle=args.bundle, prompts=prompts, batches=sizes, ks=args.k,
         auto=not args.no_auto, drafters=[d for d in _csv(args.drafter)], max_new_tokens=args.max_new_tokens,
         requests=args.batch_requests, repeats=args.repeats, threads=args.threads, progress=not args.quiet,
         clock=args.clock)

@@ -17,7 +17,7 @@ from specdec_rt.runtime.engine import OrtEngine
 from specdec_rt.runtime.factory import make_engine
 from specdec_rt.runtime.gen_config import GenerationDefaults
 from specdec_rt.runtime.limits import (DEFAULT_CONTEXT, DEFAULT_MAX_BATCH, prompt_token_ids,  # noqa: F401 - re-exported
-                                       resolve_context, resolve_draft_context, resolve_max_batch)
+                                       check_threads, resolve_context, resolve_draft_context, resolve_max_batch)
 from specdec_rt.runtime.memory import peak_rss_bytes, reset_peak_rss
 from specdec_rt.runtime.overlap import VerifyThread
 from specdec_rt.runtime.planning import SpeculationPlan, plan_speculation
@@ -47,11 +47,11 @@ class Generator:
                  suffix_pool: SuffixPool | bool | None = None, prefix_cache: bool | str = True) -> None:
         self.bundle = bundle
         self.suffix_pool = SuffixPool.from_setting(suffix_pool)  # None: each request on its own
+        check_threads(threads=threads, draft_threads=draft_threads)
         self.draft_context = resolve_draft_context(draft_context)  # None: the draft catches up on all
         self.overlap = bool(overlap)
         self._verify_thread: VerifyThread | None = None
-        if self.overlap:
-            shared_thread_pool = pool_for_overlap(shared_thread_pool)
+        shared_thread_pool = pool_for_overlap(shared_thread_pool) if self.overlap else shared_thread_pool
         self.max_length = resolve_context(bundle.max_context, max_context or max_length)
         self.max_batch = resolve_max_batch(max_batch, provider, draft_provider if bundle.draft else None)
         self.tokenizer = TextTokenizer(bundle.tokenizer_path)

@@ -28,6 +28,14 @@ def resolve_max_batch(requested: int | None, provider: str, draft_provider: str 
     return int(requested)
 
 
+def check_threads(**values: int | None) -> None:
+    """Intra-op thread counts: None (the default) or a positive integer; ONNX Runtime would take
+    0 or a negative count as its own default silently."""
+    for name, n in values.items():
+        if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1):
+            raise GenerationInputError(f"{name} must be an integer >= 1 or None (the default), got {n!r}")
+
+
 def resolve_draft_context(requested: int | None) -> int | None:
     """The most tokens the draft catches up before proposing (None: all; see DRAFT_CONTEXT)."""
     if requested is None:

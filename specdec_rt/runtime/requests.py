@@ -91,6 +91,12 @@ class RowRequest:
         temperature, top_k, top_p = defaults.resolve(self.temperature, self.top_k, self.top_p, self.do_sample)
         SamplingParams(temperature, top_k, top_p)  # validates before converting
         params = SamplingParams(float(temperature), int(top_k), float(top_p))
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
+            raise GenerationInputError(f"seed must be an integer >= 0 or None, got {self.seed!r}")
+        stops = self.stop if self.stop is None or isinstance(self.stop, str) else list(self.stop)
+        if stops is not None and not all(isinstance(x, str) and x for x in ([stops] if isinstance(stops, str) else stops)):
+            raise GenerationInputError(f"stop must be a non-empty string or a list of them (an empty one would "
+                                       f"end every generation at once), got {self.stop!r}")
         if self.user is not None and not isinstance(self.user, str):
             raise GenerationInputError(f"user must be a string or None, got {type(self.user).__name__}")
         return LoopConfig(max_new_tokens=int(n), params=params, eos_token_ids=tuple(eos_token_ids),
