@@ -184,15 +184,3 @@ def windowed_mistral_bundle(tmp_path: Path) -> tuple[Path, Path]:
     ckpt = make_checkpoint(cfg, tmp_path / "mistral")
     export_pair(ckpt, ckpt, tmp_path / "bundle", ExportOptions(progress=False))
     return ckpt, tmp_path / "bundle"
-
-
-def empty_past(session) -> dict:
-    """Zero-length past K/V feeds for any of our graphs, in the layout its inputs declare
-    (contract 1 ``[B, P, Hkv, D]``, contract 2's head-major keys ``[B, Hkv, D, P]`` and values
-    ``[B, Hkv, P, D]``): what a prompt's first call feeds."""
-    import numpy as np
-
-    kinds = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
-    return {i.name: np.zeros([0 if d == "past" else (1 if isinstance(d, str) else d) for d in i.shape], kinds[i.type])
-            for i in session.get_inputs() if i.name.startswith("past_")}
-

@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import empty_past, llama_config, make_checkpoint  # noqa: E402
+from helpers import llama_config, make_checkpoint  # noqa: E402
 
 from specdec_rt.errors import ExportError  # noqa: E402
 
@@ -139,7 +139,8 @@ def test_features_output_is_target_features(head_bundle):
     sess = _session(head_bundle["bundle"] / info["graph"])
     assert sess.get_outputs()[-1].name == "features" and sess.get_outputs()[-1].shape[-1] == 3 * 64
     tokens = np.random.default_rng(5).integers(0, 320, (1, 12))
-    past = empty_past(sess)  # the bundle's target is head-major (contract 2); new K/V feed back as they come
+    past = {f"past_{k}.{i}": np.zeros((1, 0, info["num_kv_heads"], info["head_dim"]), np.float32)
+            for i in range(info["num_layers"]) for k in ("key", "value")}
     a = _run(sess, input_ids=tokens[:, :8], position_ids=np.arange(8)[None], attention_mask=_mask(8, 0), **past)
     past = {f"past_{k}.{i}": a[f"new_{k}.{i}"] for i in range(info["num_layers"]) for k in ("key", "value")}
     b = _run(sess, input_ids=tokens[:, 8:], position_ids=np.arange(8, 12)[None], attention_mask=_mask(4, 8), **past)
@@ -264,7 +265,8 @@ def test_features_every_verified_family(name):
                                     providers=["CPUExecutionProvider"])
         kv = np.float16 if opt.dtype == "fp16" else np.float32
         feed = {"input_ids": tokens, "position_ids": np.arange(7)[None], "attention_mask": _mask(7, 0)}
-        feed.update(empty_past(sess))
+        feed.update({f"past_{k}.{i}": np.zeros((1, 0, spec.num_kv_heads, spec.head_dim), kv)
+                     for i in range(spec.num_layers) for k in ("key", "value")})
         got = _run(sess, **feed)["features"]
         assert got.dtype == np.float32
         np.testing.assert_allclose(got, ref, atol=atol, rtol=0, err_msg=f"{name} {opt.dtype} fused={opt.fused}")

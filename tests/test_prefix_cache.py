@@ -124,9 +124,8 @@ def test_probe_refuses_reuse_where_prompt_and_decoding_bits_differ(tiny_pair):
             out = super().forward(input_ids, positions, mask, seq)
             if len(input_ids) > 64:
                 p = self.lengths[seq]
-                k = self.cache.keys[0]  # positions: the last axis of head-major keys, else axis 1
-                at = (seq, Ellipsis, slice(p, p + len(input_ids))) if self.head_major else (seq, slice(p, p + len(input_ids)))
-                k[at] = np.nextafter(k[at], np.inf)
+                k, _ = self.cache.keys[0], self.cache.values[0]
+                k[seq, p:p + len(input_ids)] = np.nextafter(k[seq, p:p + len(input_ids)], np.inf)
             return out
 
     target.__class__ = WideCallsDiffer

@@ -36,22 +36,19 @@ def _qwen2_config(hidden: int, layers: int):
 
 @pytest.fixture(scope="module")
 def quant_bundles(tmp_path_factory) -> dict:
-    """A tiny Qwen2-shaped target (fp32, int4, w8a8; head-major K/V, graph contract 2, and the
-    same fp32 / int4 with contract 1's sequence-major K/V, as older bundles have) with a weak
-    random draft."""
+    """A tiny Qwen2-shaped target (fp32, int4, w8a8) with a weak random draft."""
     from specdec_rt.export.pipeline import ExportOptions, export_pair
 
     base = tmp_path_factory.mktemp("row_exactness")
     target = make_tiny_vocab_checkpoint(_qwen2_config(128, 2), base / "target", seed=11, scale=0.08)
     draft = make_tiny_vocab_checkpoint(_qwen2_config(64, 1), base / "draft", seed=12, scale=0.08)
     out = {}
-    for name, quant, attention, layout in (("fp32", None, "fp64", "auto"), ("int4", "int4", "fp64", "auto"),
-                                           ("w8a8", "w8a8", "fp64", "auto"), ("fused", None, "fused", "auto"),
-                                           ("fp32-seq", None, "fp64", "sequence"), ("int4-seq", "int4", "fp64", "sequence")):
+    for name, quant, attention in (("fp32", None, "fp64"), ("int4", "int4", "fp64"), ("w8a8", "w8a8", "fp64"),
+                                   ("fused", None, "fused")):
         out[name] = base / name
         # w8a8: the target's integer GEMMs with an int4 draft (--draft-quantize), as deployed
         export_pair(target, draft, out[name], ExportOptions(progress=False, quantize=quant, quantize_roles=("target",),
-                                                            target_attention=attention, kv_layout=layout,
+                                                            target_attention=attention,
                                                             draft_quantize="int4" if quant == "w8a8" else "auto"))
     return out
 
@@ -87,7 +84,7 @@ def _rows(engine, prompt, path, side):
     return np.stack(sequential), chain, tree
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int4", "w8a8", "fp32-seq", "int4-seq"])
+@pytest.mark.parametrize("precision", ["fp32", "int4", "w8a8"])
 def test_chain_and_tree_rows_equal_sequential_rows_bit_for_bit(quant_bundles, precision):
     import specdec_rt
 
@@ -184,7 +181,7 @@ def test_prefix_reuse_is_on_only_where_it_changes_no_bit(quant_bundles):
     import specdec_rt
 
     on = []
-    for precision in ("fp32", "int4", "w8a8", "fused", "fp32-seq"):
+    for precision in ("fp32", "int4", "w8a8", "fused"):
         gen = specdec_rt.load(quant_bundles[precision], threads=1)
         fresh = specdec_rt.load(quant_bundles[precision], threads=1, prefix_cache=False)
         if gen.prefix_cache:
@@ -262,7 +259,7 @@ def test_fused_target_attention_chain_rows_equal_sequential_rows_bit_for_bit(qua
     assert [r.token_ids for r in batch] == alone
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int4", "w8a8", "fp32-seq", "int4-seq"])
+@pytest.mark.parametrize("precision", ["fp32", "int4", "w8a8"])
 def test_quantized_greedy_chain_and_tree_identical_to_target_only(quant_bundles, precision):
     import specdec_rt
 
@@ -285,7 +282,7 @@ def test_only_the_target_pays_for_float64_attention(quant_bundles):
     assert models["draft"]["attention_accumulation"] == "native"  # proposals need no exactness
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int4", "w8a8", "fp32-seq", "int4-seq"])
+@pytest.mark.parametrize("precision", ["fp32", "int4", "w8a8"])
 def test_batched_rows_equal_rows_alone_bit_for_bit(quant_bundles, precision):
     """Batching pads: masked past columns (rows at other lengths), pad rows (rows proposing fewer
     tokens) and more rows per call. None of it may change a row's bits, including int4's, where

@@ -68,11 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
                          "token-identical to target-only decoding; native: float32 sums in plain ops; fused: "
                          "one ONNX Attention node per layer (opset 23, ONNX Runtime >= 1.23), the fastest "
                          "target calls; native and fused are exact for chains only (trees are refused at run time)")
-    ap.add_argument("--kv-layout", default="auto", choices=["auto", "head", "sequence"],
-                    help="the target's K/V layout: head = graph contract 2 (past [B, Hkv, P, D] read where it lies, "
-                         "no per-call copy of the cache: faster batches and long contexts, CPU provider); sequence = "
-                         "contract 1 (what GPU providers and TensorRT bind); auto (default) = head wherever the "
-                         "target's attention is the float64 decomposed one (not --portable/--trt/--target-attention)")
     ap.add_argument("--trt", action="store_true", help="also build native TensorRT engines (needs tensorrt)")
     ap.add_argument("--no-validate", action="store_true", help="skip the ORT-vs-PyTorch validation")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -105,7 +100,6 @@ def main(argv: list[str] | None = None) -> int:
             quantize_roles=tuple(r.strip() for r in args.quantize_models.split(",") if r.strip()),
             opset=args.opset, max_context=args.max_context, portable=args.portable or args.trt,
             draft_fused_attention=not args.draft_plain_attention, target_attention=args.target_attention,
-            kv_layout=args.kv_layout,
             validate=not args.no_validate, progress=not args.quiet, quantize_embedding=not args.float_embedding,
             gguf_cache=args.gguf_cache,
             block_size=args.block_size, draft_vocab=args.draft_vocab, draft_head=args.draft_head,

@@ -195,7 +195,7 @@ class HeadGraphBuilder(GraphBuilder):
             helper.make_tensor_value_info("new_key.0", TensorProto.FLOAT, ["batch", "seq", hkv, d]),
             helper.make_tensor_value_info("new_value.0", TensorProto.FLOAT, ["batch", "seq", hkv, d]),
         ]
-        self._masks, self._distance, self._past_len = {}, None, None
+        self._masks, self._distance = {}, None
         emb = self._embedding()
         self._rope_setup()
         e_n, _ = self._norm(emb, None, self.extra["input_norm"], None, "input_norm")

@@ -36,6 +36,7 @@ from specdec_rt.export.errors import ExportError
 from specdec_rt.export.quantize import (ACCURACY_LEVEL, ACT_EPS, BLOCK_SIZE, QUANT_BITS, QUANT_SCHEMES, W8A8,
                                        quantize_blockwise, quantize_per_channel, W8A8_WEIGHT_LIMIT)
 
+CONTRACT_VERSION = 1
 FUSED_ATTENTION_OPSET = 23  # ONNX Attention; ONNX Runtime's CPU kernel since 1.23
 MS_DOMAIN = "com.microsoft"
 
@@ -73,12 +74,6 @@ class GraphOptions:
     # the kept token ids, sorted; the graph scatters their logits into a -inf row of the whole
     # vocabulary, so the contract (logits [B, S, V]) and every consumer stay as they are
     output_ids: np.ndarray | None = None
-    # "sequence": past K/V ``[B, P, Hkv, D]``, new K/V ``[B, S, Hkv, D]`` (graph contract 1; drafts,
-    # fused or float32 attention, the portable op set). "head" (contract 2, float64 decomposed
-    # attention only): keys ``[B, Hkv, D, P]`` (transposed), values ``[B, Hkv, P, D]``, new rows
-    # likewise with S for P: attention reads the past where it lies, without the per-call Concat /
-    # Transpose copies of contract 1 (GraphBuilder._attend_head_major)
-    kv_layout: str = "sequence"
     # EAGLE-3 heads (specdec_rt.export.eagle_graph): one extra output ``features`` [B, S, len * hidden]
     # float32, the residual stream after each listed 0-based decoder layer (the layer's output, before
     # any following norm), concatenated in the given order; None: the graph is what it was
@@ -507,7 +502,9 @@ class GraphBuilder:
         mask = "attention_mask"
         if window is not None:
             if self._distance is None:
-                past_len = g.op("Squeeze", [self._past_length(), g.shape([0], "axes")], "past_len")
+                past_shape = g.op("Shape", ["past_key.0"], "past_shape")
+                past_len = g.op("Gather", [past_shape, g.const(np.array(1, dtype=np.int64), "one_i", dtype=np.int64)],
+                                "past_len", axis=0)
                 past_pos = g.op("Range", [g.const(np.array(0, dtype=np.int64), "zero_i", dtype=np.int64), past_len,
                                           g.const(np.array(1, dtype=np.int64), "step_i", dtype=np.int64)],
                                 "past_positions")  # [P]
@@ -577,77 +574,10 @@ class GraphBuilder:
         ``new_value.{layer}``, already emitted): one fused node, or the decomposed ops."""
         if self._fused_attn:
             return self._fused_attention(q, k, v, layer, self._mask(window), prefix + "_attn")
-        if self.opt.kv_layout == "head":
-            return self._attend_head_major(q, layer, self._mask(window), prefix + "_attn")
         g = self.g
         k_all = g.op("Concat", [f"past_key.{layer}", f"new_key.{layer}"], prefix + "_k_all", axis=1)
         v_all = g.op("Concat", [f"past_value.{layer}", f"new_value.{layer}"], prefix + "_v_all", axis=1)
         return self._attention(q, k_all, v_all, self._mask(window), prefix + "_attn")
-
-    def _attend_head_major(self, q: str, layer: int, mask: str, hint: str) -> str:
-        """Attention over a head-major past (graph contract 2): keys stored transposed,
-        ``past_key`` ``[B, Hkv, D, P]``, values ``past_value`` ``[B, Hkv, P, D]``.
-
-        The past is read where it lies: its scores are ``q @ past_key`` and its context
-        ``probs[..., :P] @ past_value``, plain GEMMs over the stored tensors; the new rows' K/V
-        (``new_key.{layer}`` ``[B, Hkv, D, S]``, ``new_value.{layer}`` ``[B, Hkv, S, D]``) are the
-        small second halves. Contract 1 instead concatenates past and new and transposes both,
-        i.e. copies every sequence's whole cache per layer and call, the cost that grew with the
-        context and the batch (docs/design.md, "Batches"). A key's score must be the same bits
-        whether the key is new or past, so both go through the same kernel: ONNX Runtime's MatMul
-        against a ``[D, N]`` right side, which takes a GEMV path of other bits at N = 1, so the
-        new keys get one zero column (N = S + 1, its score dropped). The sums over keys stay
-        float64 (the past V cast per call, scores, softmax and the two context GEMMs), rounded
-        once to the graph dtype: the argument of :meth:`_attention` makes rows independent of
-        where their keys sit, here also of the masked columns between the past and the new block.
-        """
-        g, s = self.g, self.spec
-        h, hkv, d = s.num_heads, s.num_kv_heads, s.head_dim
-        grp = h // hkv
-        if grp == 1:
-            q4 = g.op("Transpose", [g.op("Reshape", [q, g.shape([0, 0, h, d])])], hint + "_q", perm=[0, 2, 1, 3])
-        else:
-            q5 = g.op("Reshape", [q, g.shape([0, 0, hkv, grp, d])], hint + "_q5")
-            q5 = g.op("Transpose", [q5], hint + "_qt", perm=[0, 2, 3, 1, 4])  # [B,Hkv,G,S,D]
-            q4 = g.op("Reshape", [q5, g.shape([0, hkv, -1, d])], hint + "_q")  # [B,Hkv,G*S,D]
-        past_k, past_v = f"past_key.{layer}", f"past_value.{layer}"
-        new_k, new_v = f"new_key.{layer}", f"new_value.{layer}"
-        scores_past = g.op("MatMul", [q4, past_k], hint + "_sp")  # [B,Hkv,G*S,P]
-        new_k1 = g.op("Pad", [new_k, g.shape([0, 0, 0, 0, 0, 0, 0, 1], "pad_one_key")], hint + "_nk1")
-        scores_new = g.op("MatMul", [q4, new_k1], hint + "_sn1")  # [B,Hkv,G*S,S+1]
-        scores_new = g.op("Slice", [scores_new, g.shape([0], "zero_1d"), g.shape([-1], "minus_one"),
-                                    g.shape([-1], "last_axis")], hint + "_sn")
-        scores = g.op("Concat", [scores_past, scores_new], hint + "_scores", axis=-1)  # [B,Hkv,G*S,P+S]
-        if s.attn_softcap:  # the 1/c is folded into the query weights with the scale
-            scores = g.op("Mul", [g.op("Tanh", [scores], hint + "_tanh"),
-                                  g.const(np.array(s.attn_softcap), "softcap")], hint + "_capped")
-        scores = g.op("Cast", [scores], hint + "_scores64", to=TensorProto.DOUBLE)
-        probs = g.op("Softmax", [g.op("Add", [scores, mask], hint + "_masked")], hint + "_probs", axis=-1)
-        plen = self._past_length()
-        probs_past = g.op("Slice", [probs, g.shape([0], "zero_1d"), plen, g.shape([-1], "last_axis")], hint + "_pp")
-        probs_new = g.op("Slice", [probs, plen, g.shape([np.iinfo(np.int64).max], "to_end"),
-                                   g.shape([-1], "last_axis")], hint + "_pn")
-        v_past = g.op("Cast", [past_v], hint + "_pv64", to=TensorProto.DOUBLE)
-        v_new = g.op("Cast", [new_v], hint + "_nv64", to=TensorProto.DOUBLE)
-        ctx = g.op("Add", [g.op("MatMul", [probs_past, v_past], hint + "_cp"),
-                           g.op("MatMul", [probs_new, v_new], hint + "_cn")], hint + "_ctx")  # [B,Hkv,G*S,D]
-        ctx = g.op("Cast", [ctx], hint + "_ctx32", to=g.onnx_dtype)
-        if grp == 1:
-            ctx = g.op("Transpose", [ctx], hint + "_ctxt", perm=[0, 2, 1, 3])
-        else:
-            ctx = g.op("Reshape", [ctx, g.shape([0, hkv, grp, -1, d])], hint + "_ctx5")
-            ctx = g.op("Transpose", [ctx], hint + "_ctxt", perm=[0, 3, 1, 2, 4])  # [B,S,Hkv,G,D]
-        return g.op("Reshape", [ctx, g.shape([0, 0, h * d])], hint + "_merged")
-
-    def _past_length(self) -> str:
-        """``[1]`` int64: the past length as fed (the values' axis of positions), made once."""
-        if self._past_len is None:
-            g = self.g
-            axis = 2 if self.opt.kv_layout == "head" else 1
-            shape = g.op("Shape", ["past_value.0"], "past_shape")
-            self._past_len = g.op("Slice", [shape, g.shape([axis], "past_axis"), g.shape([axis + 1], "past_axis_end")],
-                                  "past_len_1d")
-        return self._past_len
 
     def _fused_attention(self, q: str, k: str, v: str, layer: int, mask: str, hint: str) -> str:
         """Attention as one ONNX ``Attention`` node (opset 23; ONNX Runtime's CPU kernel since 1.23).
@@ -685,20 +615,10 @@ class GraphBuilder:
             helper.make_tensor_value_info("attention_mask", TensorProto.FLOAT, ["batch", 1, "seq", "total"]),
         ]
         outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", s.vocab_size])]
-        head_major = self.opt.kv_layout == "head"
-        if head_major and (self._fused_attn or self.opt.attention_accumulation != "fp64" or not self.opt.fused):
-            raise ValueError("the head-major K/V layout is built for the float64 decomposed attention with "
-                             "ONNX Runtime's contrib ops only")
         for i in range(s.num_layers):
             for kind in ("key", "value"):
-                if not head_major:
-                    past, new = ["batch", "past", hkv, d], ["batch", "seq", hkv, d]
-                elif kind == "key":  # stored transposed: q @ K is a plain GEMM over the cache
-                    past, new = ["batch", hkv, d, "past"], ["batch", hkv, d, "seq"]
-                else:
-                    past, new = ["batch", hkv, "past", d], ["batch", hkv, "seq", d]
-                inputs.append(helper.make_tensor_value_info(f"past_{kind}.{i}", kv_type, past))
-                outputs.append(helper.make_tensor_value_info(f"new_{kind}.{i}", kv_type, new))
+                inputs.append(helper.make_tensor_value_info(f"past_{kind}.{i}", kv_type, ["batch", "past", hkv, d]))
+                outputs.append(helper.make_tensor_value_info(f"new_{kind}.{i}", kv_type, ["batch", "seq", hkv, d]))
 
         x = self._embedding()
         if s.embedding_scale is not None and s.embedding_scale != 1.0:
@@ -712,7 +632,6 @@ class GraphBuilder:
             raise ValueError("a model has either one sliding window for the runtime or per-layer windows")
         self._masks: dict[int | None, str] = {}
         self._distance: str | None = None
-        self._past_len: str | None = None  # [1] int64: the fed past length (head-major attention)
         windows = s.layer_windows or [None] * s.num_layers
         ropes = s.layer_rope or ["default"] * s.num_layers
 
@@ -761,12 +680,8 @@ class GraphBuilder:
                 q = self._rope(q, h, p + "_qrope", ropes[i])
                 k = self._rope(k, hkv, p + "_krope", ropes[i])
             kv_shape = g.shape([0, 0, hkv, d])
-            if head_major:  # the new rows only, small: K [B, Hkv, D, S], V [B, Hkv, S, D]
-                g.op("Transpose", [g.op("Reshape", [k, kv_shape], p + "_k4")], outputs=[f"new_key.{i}"], perm=[0, 2, 3, 1])
-                g.op("Transpose", [g.op("Reshape", [v, kv_shape], p + "_v4")], outputs=[f"new_value.{i}"], perm=[0, 2, 1, 3])
-            else:
-                g.op("Reshape", [k, kv_shape], outputs=[f"new_key.{i}"])
-                g.op("Reshape", [v, kv_shape], outputs=[f"new_value.{i}"])
+            g.op("Reshape", [k, kv_shape], outputs=[f"new_key.{i}"])
+            g.op("Reshape", [v, kv_shape], outputs=[f"new_value.{i}"])
             attn = self._linear(self._attend(q, k, v, i, windows[i], p), lw.o_w, lw.o_b, p + "_o")
             if lw.post_attn_norm_w is not None:
                 attn, _ = self._norm(attn, None, lw.post_attn_norm_w, None, p + "_post_attn_norm")

@@ -43,7 +43,6 @@ BF16_REFUSED = ("--dtype bf16 is not supported: ONNX Runtime's CPU execution pro
 
 
 TARGET_ATTENTION = ("fp64", "native", "fused")
-KV_LAYOUTS = ("auto", "head", "sequence")
 HEAD_QUANTIZE = ("auto", "none", "int4", "int8", "w8a8")
 
 
@@ -63,11 +62,6 @@ class ExportOptions:
     # (opset 23, float32 sums, the fastest target calls). native/fused are exact for chains only
     # (the runtime then refuses speculation="tree"); fused relies on the load-time row probe
     target_attention: str = "fp64"
-    # the target's K/V layout: "head" (graph contract 2: past [B, Hkv, P, D] read in place, no
-    # per-call copy of the cache), "sequence" (contract 1: [B, P, Hkv, D], what GPU providers and
-    # TensorRT bind); "auto" = "head" wherever the target's attention is the float64 decomposed one
-    # (not --portable, --target-attention fp64), else "sequence". Drafts and heads keep "sequence"
-    kv_layout: str = "auto"
     validate: bool = True
     progress: bool = True
     # with ``quantize``: store the embedding table quantized too (False: in the graph dtype, as
@@ -113,11 +107,6 @@ class ExportOptions:
         if self.target_attention not in TARGET_ATTENTION:
             raise ExportError(f"--target-attention must be one of {', '.join(TARGET_ATTENTION)}, "
                               f"not '{self.target_attention}'")
-        if self.kv_layout not in KV_LAYOUTS:
-            raise ExportError(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, not '{self.kv_layout}'")
-        if self.kv_layout == "head" and (self.portable or self.target_attention != "fp64"):
-            raise ExportError("--kv-layout head needs the target's float64 decomposed attention: not with "
-                              "--portable / --trt or --target-attention native|fused (use --kv-layout sequence)")
         if self.block_size not in BLOCK_SIZES:
             raise ExportError(f"--block-size must be one of {', '.join(map(str, BLOCK_SIZES))}, not {self.block_size}")
         if self.draft_vocab is not None and self.draft_vocab < MIN_DRAFT_VOCAB:
@@ -536,16 +525,6 @@ def attention_accumulation(role: str, portable: bool, target_attention: str = "f
     return "fp64" if role == "target" and not portable and target_attention == "fp64" else "native"
 
 
-def kv_layout(role: str, options: "ExportOptions") -> str:
-    """The K/V layout of one model's graph (ExportOptions.kv_layout): head-major for a target
-    with float64 decomposed attention unless asked otherwise; drafts stay sequence-major (their
-    fused / float32 attention and the runtime's windowed bindings are built for it)."""
-    if role != "target" or options.kv_layout == "sequence":
-        return "sequence"
-    fp64 = attention_accumulation(role, options.portable, options.target_attention) == "fp64"
-    return "head" if fp64 else "sequence"
-
-
 def fused_attention(role: str, portable: bool, draft_fused_attention: bool = True,
                     target_attention: str = "fp64") -> bool:
     """One ONNX ``Attention`` node per layer (GraphBuilder._fused_attention): the draft's default,
@@ -626,8 +605,7 @@ def export_model(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, role
                                                               options.target_attention),
                               quantize=quant, quantize_embedding=options.quantize_embedding,
                               block_size=options.block_size,
-                              output_ids=output_ids, feature_layers=feature_layers,
-                              kv_layout=kv_layout(role, options))
+                              output_ids=output_ids, feature_layers=feature_layers)
     path = out / "model.onnx"
     written = write_model(spec, weights, graph_opts, str(path))
     if output_ids is not None:  # the record of what the draft may propose (the graph holds them too)
@@ -679,7 +657,6 @@ def export_model(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, role
         "fused_ops": not options.portable,
         "attention_accumulation": graph_opts.attention_accumulation,
         "fused_attention": graph_opts.fused_attention,
-        "kv_layout": graph_opts.kv_layout,  # "head": contract 2 (past [B, Hkv, P, D]); "sequence": 1
         "num_parameters": written.num_params,
         "num_nodes": written.num_nodes,
         "size_bytes": written.size_bytes,
@@ -836,8 +813,7 @@ def _export_roles(out: Path, roles: list, t_tok, hashes: dict, options: ExportOp
     manifest = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
-        # 2 only where a graph is head-major, so sequence-major bundles stay readable by older runtimes
-        "contract_version": CONTRACT_VERSION if any(em.info.get("kv_layout") == "head" for em in exported.values()) else 1,
+        "contract_version": CONTRACT_VERSION,
         "created_by": "specdec-rt 0.1.0",
         "max_context": max_context,
         "tokenizer": "tokenizer.json",

@@ -87,10 +87,6 @@ class _OrtRunner:
         self.kv_dtype = kv_dtype
         self.columns: np.ndarray | None = None  # compare only these logit columns (a cut LM head)
         self.has_features = any(o.name == "features" for o in self.sess.get_outputs())
-        # graph contract 2 (head-major: keys [B, Hkv, D, P], values [B, Hkv, P, D]): fed and read
-        # back transposed, so the comparison keeps the reference's [B, P, Hkv, D] throughout
-        past = next(i for i in self.sess.get_inputs() if i.name == "past_key.0")
-        self.head_major = past.shape[3] == "past"
         self.features: np.ndarray | None = None  # the last run's ``features`` rows [S, F], if the graph has them
 
     def empty_past(self):
@@ -113,15 +109,11 @@ class _OrtRunner:
             "position_ids": np.asarray([positions], dtype=np.int64),
             "attention_mask": _additive(allowed)[None, None],
         }
-        def layout(x, perm):
-            return np.ascontiguousarray(x.transpose(perm)) if self.head_major else x
-
         for i, (k, v) in enumerate(past):
-            feed[f"past_key.{i}"] = layout(k, (0, 2, 3, 1))
-            feed[f"past_value.{i}"] = layout(v, (0, 2, 1, 3))
+            feed[f"past_key.{i}"] = k
+            feed[f"past_value.{i}"] = v
         out = self.sess.run(None, feed)
-        new = [(layout(out[1 + 2 * i], (0, 3, 1, 2)), layout(out[2 + 2 * i], (0, 2, 1, 3)))
-               for i in range(self.spec.num_layers)]
+        new = [(out[1 + 2 * i], out[2 + 2 * i]) for i in range(self.spec.num_layers)]
         self.features = out[-1][0] if self.has_features else None  # ``features`` is the last output
         logits = out[0][0]
         # a draft with a cut LM head: its kept columns (the others are -inf by construction)

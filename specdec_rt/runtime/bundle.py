@@ -18,10 +18,7 @@ from specdec_rt.errors import BundleError  # noqa: F401 - defined there, re-expo
 
 FORMAT_NAME = "specdec-rt-bundle"
 FORMAT_VERSION = 1
-# 1: every graph's K/V sequence-major ([B, P, Hkv, D]); 2: a model's ``kv_layout`` may be "head"
-# ([B, Hkv, P, D], docs/design.md "The graph contract"). Exports write 2 where a model is head-major.
-CONTRACT_VERSION = 2
-CONTRACT_VERSIONS = (1, 2)
+CONTRACT_VERSION = 1
 MANIFEST = "manifest.json"
 
 
@@ -46,7 +43,6 @@ class ModelInfo:
     opset: int = 17
     fused_ops: bool = True
     fused_attention: bool = False  # one ONNX Attention node per layer (opset 23; drafts since issue 12)
-    kv_layout: str = "sequence"  # "head": past/new K/V [B, Hkv, S, D] (contract 2); older bundles: sequence
     num_parameters: int = 0
     validation: dict = field(default_factory=dict)
     source: dict = field(default_factory=dict)
@@ -216,9 +212,8 @@ def load_bundle(path: str | os.PathLike, verify_checksums: bool = True) -> Bundl
             f"{mpath}: bundle format version {manifest.get('format_version')} is not supported "
             f"by this runtime (expects {FORMAT_VERSION}); re-export with this version of specdec-rt"
         )
-    if manifest.get("contract_version") not in CONTRACT_VERSIONS:
-        raise BundleError(f"{mpath}: graph contract version {manifest.get('contract_version')!r} is not one this "
-                          f"runtime reads ({', '.join(map(str, CONTRACT_VERSIONS))}); re-export the bundle")
+    if manifest.get("contract_version") != CONTRACT_VERSION:
+        raise BundleError(f"{mpath}: graph contract version {manifest.get('contract_version')} != {CONTRACT_VERSION}")
 
     files: dict[str, str] = manifest.get("files", {})
     for rel, digest in files.items():
@@ -237,11 +232,6 @@ def load_bundle(path: str | os.PathLike, verify_checksums: bool = True) -> Bundl
     target = ModelInfo.from_dict("target", models["target"])
     draft = ModelInfo.from_dict("draft", models["draft"]) if models.get("draft") else None
     head = ModelInfo.from_dict("head", models["head"]) if models.get("head") else None
-    for info in (target, draft, head):
-        if info is not None and (info.kv_layout not in ("head", "sequence") or
-                                 (info.kv_layout == "head" and manifest["contract_version"] < 2)):
-            raise BundleError(f"{mpath}: the {info.role} graph's kv_layout {info.kv_layout!r} is not one graph "
-                              f"contract {manifest['contract_version']} defines (a modified manifest?)")
     if head is not None:
         check_head(target, head)
     for info in filter(None, (target, draft, head)):

@@ -3,9 +3,7 @@
 The same code drives the CPU, CUDA and TensorRT execution providers: the past is bound by
 pointer and shape (the valid prefix of each layer buffer), the new K/V outputs are bound at byte
 offset ``P`` of the same buffers, and only token ids, positions, the mask and the logits rows
-cross the host boundary. A head-major graph (contract 2, CPU provider) is fed each sequence's
-whole block of the cache with the columns past its length masked, and its new K/V rows are
-copied into place after the call. This module holds :class:`OrtEngine` only: session setup lives in
+cross the host boundary. This module holds :class:`OrtEngine` only: session setup lives in
 :mod:`~specdec_rt.runtime.sessions`, masks in :mod:`~specdec_rt.runtime.masks`, the draft's
 windowed bindings in :mod:`~specdec_rt.runtime.window_binding`, the load-time exactness probes
 in :mod:`~specdec_rt.runtime.probes` and the engine choice in :mod:`~specdec_rt.runtime.factory`.
@@ -24,7 +22,7 @@ from specdec_rt.runtime.bundle import ModelInfo
 from specdec_rt.runtime.engine_base import EngineBase
 from specdec_rt.runtime.engine_batch import STRIDE_STEP, BatchCalls  # noqa: F401 - STRIDE_STEP re-exported
 from specdec_rt.runtime.kv_cache import CudaKVCache, KVCache
-from specdec_rt.runtime.masks import NEG_INF, over_stride
+from specdec_rt.runtime.masks import NEG_INF
 from specdec_rt.runtime.probes import RowInvarianceWarning  # noqa: F401 - re-exported
 from specdec_rt.runtime.providers import device_of, resolve_provider
 from specdec_rt.runtime.sessions import (FUSED_ATTENTION_MIN_ORT, ort_element_type, provider_options,
@@ -66,20 +64,13 @@ class OrtEngine(BatchCalls, EngineBase):
         except Exception as exc:  # noqa: BLE001 - surface ORT load failures as one clear error
             raise RuntimeError(f"ONNX Runtime could not load {graph_path}: {exc}") from None
         kv_dtype = np.dtype(info.kv_dtype)
-        # graph contract 2: the past fed head-major as the cache's whole stride, new K/V copied in
-        self.head_major = getattr(info, "kv_layout", "sequence") == "head"
-        if self.head_major and self.device != "cpu":
-            raise BackendUnavailableError(
-                f"the {info.role} graph's K/V cache is head-major (graph contract 2), which this version runs "
-                f"on the CPU provider only; for {provider}, re-export the bundle with specdec-export "
-                "--kv-layout sequence (contract 1: the layout GPU providers bind in place)")
         cache_cls = KVCache if self.device == "cpu" else CudaKVCache
         # one spare slot: a single-token call padded to two rows (see ``min_rows``) writes the
         # pad row's K/V there when the cache is full
         self.max_batch = max_batch
         if self.device == "cpu":
             self.cache = KVCache(info.num_layers, max_len + 1, info.num_kv_heads, info.head_dim, kv_dtype,
-                                 seqs=max_batch, layout="head" if self.head_major else "sequence")
+                                 seqs=max_batch)
         else:
             self.cache = cache_cls(info.num_layers, max_len + 1, info.num_kv_heads, info.head_dim, kv_dtype)
         self.vocab_size = info.vocab_size
@@ -108,8 +99,7 @@ class OrtEngine(BatchCalls, EngineBase):
         # bindings with the past in windows of PAST_WINDOW positions (WindowBinder); the target,
         # and io_binding=False, keep session.run over exact-length views (_forward_run): the
         # target's bits must not depend on masked columns
-        window = (PAST_WINDOW if io_binding is None and info.role == "draft" and self.device == "cpu"
-                  and not self.head_major else 0)
+        window = PAST_WINDOW if io_binding is None and info.role == "draft" and self.device == "cpu" else 0
         self._windows = WindowBinder(self.session, self._names, self._kv_elem, self._kv_shape_tail,
                                      info.vocab_size, window)
         self._wins = self._windows.bindings  # the windowed path's bindings per (S, sequence)
@@ -159,27 +149,20 @@ class OrtEngine(BatchCalls, EngineBase):
         if not self.io_binding:
             return self._host(input_ids, positions, mask, s, p, seq)
         b = self._binding
-        cache, dev, elem, tail = self.cache, self.device, self._kv_elem, self._kv_shape_tail
         ids = np.ascontiguousarray(input_ids, dtype=np.int64).reshape(1, s)
         pos = np.ascontiguousarray(positions, dtype=np.int64).reshape(1, s)
-        msk = np.asarray(mask, dtype=np.float32).reshape(s, p + s)
-        if self.head_major:  # the whole stride, masked past the sequence's length
-            msk = over_stride(msk, p, cache.stride)
+        msk = np.ascontiguousarray(mask, dtype=np.float32).reshape(1, 1, s, p + s)
         b.bind_cpu_input("input_ids", ids)
         b.bind_cpu_input("position_ids", pos)
-        b.bind_cpu_input("attention_mask", np.ascontiguousarray(msk).reshape(1, 1, s, -1))
+        b.bind_cpu_input("attention_mask", msk)
+        cache, dev, elem, tail = self.cache, self.device, self._kv_elem, self._kv_shape_tail
+        past_shape = [1, p] + tail
+        new_shape = [1, s] + tail
         for layer, (pk, pv, nk, nv) in enumerate(self._names):
-            if self.head_major:  # the new rows come back [1, Hkv, S, D]: copied in after the run
-                kp, vp = cache.seq_ptr(layer, seq)
-                b.bind_input(pk, dev, 0, elem, [1, tail[0], tail[1], cache.stride], kp)
-                b.bind_input(pv, dev, 0, elem, [1, tail[0], cache.stride, tail[1]], vp)
-                b.bind_output(nk, dev)
-                b.bind_output(nv, dev)
-                continue
-            b.bind_input(pk, dev, 0, elem, [1, p] + tail, cache.key_ptr(layer, 0, seq))
-            b.bind_input(pv, dev, 0, elem, [1, p] + tail, cache.value_ptr(layer, 0, seq))
-            b.bind_output(nk, dev, 0, elem, [1, s] + tail, cache.key_ptr(layer, p, seq))
-            b.bind_output(nv, dev, 0, elem, [1, s] + tail, cache.value_ptr(layer, p, seq))
+            b.bind_input(pk, dev, 0, elem, past_shape, cache.key_ptr(layer, 0, seq))
+            b.bind_input(pv, dev, 0, elem, past_shape, cache.value_ptr(layer, 0, seq))
+            b.bind_output(nk, dev, 0, elem, new_shape, cache.key_ptr(layer, p, seq))
+            b.bind_output(nv, dev, 0, elem, new_shape, cache.value_ptr(layer, p, seq))
         keep = self.call_inputs.get("logits_to_keep")  # a head's: logits of the last rows only
         rows = s if keep is None else int(keep[0])
         if self._logits.shape[1] < rows:  # rows of the widest call so far (prefill chunks, trees)
@@ -197,10 +180,6 @@ class OrtEngine(BatchCalls, EngineBase):
         self.session.run_with_iobinding(b)
         self.model_time += time.perf_counter() - t0
         self.calls += 1
-        if self.head_major:
-            got = b.get_outputs()  # in binding order: new K, new V per layer, then logits and extras
-            for layer in range(len(self._names)):
-                cache.write(layer, seq, p, got[2 * layer].numpy()[0], got[2 * layer + 1].numpy()[0])
         if self.extra_outputs:
             values = b.get_outputs()[-len(self.extra_outputs):]
             self.outputs = {n: (self.features[seq, p:p + s] if n == "features" and self.features is not None
@@ -278,11 +257,9 @@ class OrtEngine(BatchCalls, EngineBase):
         self.calls += 1
 
     def _seq_views(self, seq: int) -> list:
-        """``(past_key name, past_value name, K, V)`` per layer, K and V the views of sequence
-        ``seq`` (``[1, stride, Hkv, D]``; head-major: keys ``[1, Hkv, D, stride]``, values
-        ``[1, Hkv, stride, D]``): made once per sequence and kept until the cache is re-laid out
-        (a restride makes new views), so a call slices each only to its length (head-major: feeds
-        it whole)."""
+        """``(past_key name, past_value name, K, V)`` per layer, K and V the ``[1, stride, Hkv, D]``
+        views of sequence ``seq``: made once per sequence and kept until the cache is re-laid out
+        (a restride makes new views), so a call slices each only to its length."""
         keys = self.cache.keys
         if self._views_of is not keys:
             self._views_of, self._views = keys, {}
@@ -310,18 +287,11 @@ class OrtEngine(BatchCalls, EngineBase):
         feeds = self._feeds
         feeds["input_ids"] = np.asarray(input_ids, dtype=np.int64).reshape(1, s)
         feeds["position_ids"] = np.asarray(positions, dtype=np.int64).reshape(1, s)
-        mask = np.asarray(mask, dtype=np.float32).reshape(s, p + s)
+        feeds["attention_mask"] = np.asarray(mask, dtype=np.float32).reshape(1, 1, s, p + s)
         views = self._seq_views(seq)
-        if self.head_major:  # the whole stride, masked past the sequence's length
-            feeds["attention_mask"] = over_stride(mask, p, self.cache.stride).reshape(1, 1, s, -1)
-            for pk, pv, kv, vv in views:
-                feeds[pk] = kv
-                feeds[pv] = vv
-        else:
-            feeds["attention_mask"] = mask.reshape(1, 1, s, p + s)
-            for pk, pv, kv, vv in views:
-                feeds[pk] = kv[:, :p]
-                feeds[pv] = vv[:, :p]
+        for pk, pv, kv, vv in views:
+            feeds[pk] = kv[:, :p]
+            feeds[pv] = vv[:, :p]
         if self._fed_extras != self.call_inputs.keys():  # drop an earlier call's (a prefill's logits_to_keep)
             for name in self._fed_extras - self.call_inputs.keys():
                 del feeds[name]
@@ -332,12 +302,8 @@ class OrtEngine(BatchCalls, EngineBase):
         self.model_time += time.perf_counter() - t0
         i = 1
         for _, _, kv, vv in views:
-            if self.head_major:  # keys [1, Hkv, D, S], values [1, Hkv, S, D]
-                kv[..., p:p + s] = out[i]
-                vv[:, :, p:p + s] = out[i + 1]
-            else:
-                kv[:, p:p + s] = out[i]
-                vv[:, p:p + s] = out[i + 1]
+            kv[:, p:p + s] = out[i]
+            vv[:, p:p + s] = out[i + 1]
             i += 2
         if self.extra_outputs:
             self._keep_outputs(out[i:], seq, p, s)

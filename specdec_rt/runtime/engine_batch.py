@@ -28,16 +28,12 @@ class BatchCalls:
         sequence's length; batched calls attend over the whole stride, so they also shrink it
         back when it is far above what is needed."""
         cache = self.cache
-        head_major = getattr(cache, "layout", "sequence") == "head"
-        if getattr(cache, "seqs", 1) == 1 and not head_major:
+        if getattr(cache, "seqs", 1) == 1:
             return  # one sequence starts at offset 0 whatever the stride
         need = max(need, max(self.lengths))
         stride = cache.stride
-        # head-major: every call attends over the whole stride, and each growth moves the whole
-        # cache, so it grows with headroom (an eighth of what is needed, at least one step)
-        room = max(STRIDE_STEP, need // 8) if head_major else 0
-        if need > stride or ((batched or head_major) and stride >= need + room + 2 * STRIDE_STEP):
-            cache.restride(min(cache.max_len, -(-(need + room) // STRIDE_STEP) * STRIDE_STEP), self.lengths)
+        if need > stride or (batched and stride >= need + 2 * STRIDE_STEP):
+            cache.restride(min(cache.max_len, -(-need // STRIDE_STEP) * STRIDE_STEP), self.lengths)
 
     def forward_rows(self, seqs: list[int], ids: list, positions: list | None = None,
                      masks: list | None = None) -> list[np.ndarray]:
@@ -157,19 +153,10 @@ class BatchCalls:
         take = (j[None, :] < widths[:, None]).ravel()
         src = (rows[:, None] * smax + j[None, :]).ravel()[take]
         dst = (np.array(seqs)[:, None] * c + lengths[:, None] + j[None, :]).ravel()[take]
-        if getattr(cache, "layout", "sequence") == "head":  # keys [seqs, Hkv, D, c], values [seqs, Hkv, c, D]
-            at_seq = np.repeat(np.array(seqs), widths)
-            at_pos = np.concatenate([np.arange(p, p + s) for p, s in zip(lengths, widths)])
-            from_row = np.repeat(rows, widths)
-            from_col = np.concatenate([np.arange(s) for s in widths])
-            for layer, (kbuf, vbuf) in enumerate(zip(keys, values)):
-                kbuf[at_seq, :, :, at_pos] = out[1 + 2 * layer][from_row, :, :, from_col]
-                vbuf[at_seq, :, at_pos] = out[2 + 2 * layer][from_row, :, from_col]
-        else:
-            tail = (cache.heads, cache.head_dim)
-            for layer, (kbuf, vbuf) in enumerate(zip(keys, values)):
-                kbuf.reshape(-1, *tail)[dst] = out[1 + 2 * layer].reshape(-1, *tail)[src]
-                vbuf.reshape(-1, *tail)[dst] = out[2 + 2 * layer].reshape(-1, *tail)[src]
+        tail = (cache.heads, cache.head_dim)
+        for layer, (kbuf, vbuf) in enumerate(zip(keys, values)):
+            kbuf.reshape(-1, *tail)[dst] = out[1 + 2 * layer].reshape(-1, *tail)[src]
+            vbuf.reshape(-1, *tail)[dst] = out[2 + 2 * layer].reshape(-1, *tail)[src]
         if self.features is not None and "features" in self.extra_outputs:  # to the rows' slots too
             f = self.features
             at = (np.array(seqs)[:, None] * f.shape[1] + lengths[:, None] + j[None, :]).ravel()[take]

@@ -14,13 +14,6 @@ re-laid out (:meth:`KVCache.restride`, a move of every sequence's valid prefix) 
 outgrows it, in steps of 64 positions. With one sequence the stride never matters (sequence 0
 starts at offset 0). Host buffers come from ``np.zeros`` (calloc): what a run never touches costs
 no resident memory.
-
-Graph contract 2 (a model exported with ``kv_layout`` "head", host only): head-major, keys
-transposed, values ``[seqs, Hkv, stride, D]`` and keys ``[seqs, Hkv, D, stride]``: what the
-graph's attention reads with plain GEMMs, no copy. A sequence's past is then its whole block
-(no prefix of it is contiguous), fed with every column past its length masked, so the stride
-follows the longest sequence even for one sequence, and the graph's new K/V (the same layouts
-with S for the stride) are copied into place after each call (:meth:`KVCache.write`).
 """
 from __future__ import annotations
 
@@ -44,11 +37,8 @@ class KVCache:
     device = "cpu"
 
     def __init__(self, num_layers: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: np.dtype, seqs: int = 1, layout: str = "sequence") -> None:
+                 dtype: np.dtype, seqs: int = 1) -> None:
         set_layout(self, num_layers, max_len, num_kv_heads, head_dim, dtype)
-        if layout not in ("sequence", "head"):
-            raise ValueError(f"unknown K/V layout {layout!r}")
-        self.layout = layout
         self.seqs = seqs
         # one allocation per layer and kind, for the life of the engine: [K0, V0, K1, V1, ...]
         size = seqs * max_len * num_kv_heads * head_dim
@@ -65,30 +55,16 @@ class KVCache:
 
     def _set_stride(self, stride: int) -> None:
         self.stride = stride
+        shape = (self.seqs, stride, self.heads, self.head_dim)
         n = self.seqs * stride * self.heads * self.head_dim
-        if self.layout == "head":
-            self.keys = [f[:n].reshape(self.seqs, self.heads, self.head_dim, stride) for f in self._flat[0::2]]
-            self.values = [f[:n].reshape(self.seqs, self.heads, stride, self.head_dim) for f in self._flat[1::2]]
-        else:
-            shape = (self.seqs, stride, self.heads, self.head_dim)
-            views = [f[:n].reshape(shape) for f in self._flat]
-            self.keys, self.values = views[0::2], views[1::2]
+        views = [f[:n].reshape(shape) for f in self._flat]
+        self.keys, self.values = views[0::2], views[1::2]
 
     def restride(self, stride: int, lengths: list[int]) -> None:
         """Lay sequences out ``stride`` positions apart, keeping sequence s's first
         ``lengths[s]`` positions (every length must fit the new stride)."""
         old = self.stride
         if stride == old:
-            return
-        if self.layout == "head":  # positions are the last axis of keys: copy the valid columns out and back
-            keep = max(lengths, default=0)
-            if keep:
-                saved = [(k[..., :keep].copy(), v[:, :, :keep].copy()) for k, v in zip(self.keys, self.values)]
-            self._set_stride(stride)
-            if keep:
-                for (k, v), key, value in zip(saved, self.keys, self.values):
-                    key[..., :keep] = k
-                    value[:, :, :keep] = v
             return
         tok = self.heads * self.head_dim
         # growing moves sequences to higher addresses: last first; shrinking: first first
@@ -100,23 +76,6 @@ class KVCache:
                     f[q * stride * tok:q * stride * tok + n] = f[q * old * tok:q * old * tok + n]
         self._set_stride(stride)
 
-    def write(self, layer: int, seq: int, start: int, keys: np.ndarray, values: np.ndarray) -> None:
-        """New K/V rows of one sequence at ``[start, start + S)``, given in the graph's layout
-        (``[S, Hkv, D]`` sequence-major; head-major keys ``[Hkv, D, S]``, values ``[Hkv, S, D]``)."""
-        if self.layout == "head":
-            n = values.shape[1]
-            self.keys[layer][seq, ..., start:start + n] = keys
-            self.values[layer][seq, :, start:start + n] = values
-        else:
-            n = keys.shape[0]
-            self.keys[layer][seq, start:start + n] = keys
-            self.values[layer][seq, start:start + n] = values
-
-    def seq_ptr(self, layer: int, seq: int = 0) -> tuple[int, int]:
-        """Addresses of sequence ``seq``'s K and V blocks (its whole stride)."""
-        size = self.stride * self.token_bytes
-        return self._key_ptrs[layer] + seq * size, self._value_ptrs[layer] + seq * size
-
     def key_ptr(self, layer: int, offset: int, seq: int = 0) -> int:
         return self._key_ptrs[layer] + (seq * self.stride + offset) * self.token_bytes
 
@@ -124,11 +83,7 @@ class KVCache:
         return self._value_ptrs[layer] + (seq * self.stride + offset) * self.token_bytes
 
     def read(self, layer: int, start: int, stop: int, seq: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """Copies of K and V for positions [start, stop), ``[n, Hkv, D]`` in either layout (for
-        probes, tests and debugging)."""
-        if self.layout == "head":
-            return (self.keys[layer][seq, ..., start:stop].transpose(2, 0, 1).copy(),
-                    self.values[layer][seq, :, start:stop].transpose(1, 0, 2).copy())
+        """Copies of K and V for positions [start, stop) (for tests and debugging)."""
         return self.keys[layer][seq, start:stop].copy(), self.values[layer][seq, start:stop].copy()
 
     def gather_into(self, src_slots: list[int], dst_start: int, seq: int = 0) -> None:
@@ -144,15 +99,10 @@ class KVCache:
             return
         src, dst = src[moved], dst[moved]
         # one fancy-indexed copy per layer and kind (the gather reads every source first)
-        head = self.layout == "head"
         for layer in range(self.num_layers):
             keys, values = self.keys[layer][seq], self.values[layer][seq]
-            if head:
-                keys[..., dst] = keys[..., src]
-                values[:, dst] = values[:, src]
-            else:
-                keys[dst] = keys[src]
-                values[dst] = values[src]
+            keys[dst] = keys[src]
+            values[dst] = values[src]
 
 
 class CudaKVCache(KVCache):
@@ -169,7 +119,6 @@ class CudaKVCache(KVCache):
         import onnxruntime as ort
 
         set_layout(self, num_layers, max_len, num_kv_heads, head_dim, dtype)
-        self.layout = "sequence"  # head-major graphs run on the host cache only
         self.seqs = 1  # batched decoding (several sequences) runs on the host cache only
         self.stride = max_len
         self.device_id = device_id

@@ -46,16 +46,3 @@ def tree_mask(past_len: int, region: np.ndarray, positions: np.ndarray,
     block = np.eye(s, dtype=bool) if new_block is None else new_block
     allowed = np.concatenate([prefix, region, block], axis=1)
     return np.where(allowed, np.float32(0), NEG_INF).astype(np.float32, copy=False)
-
-
-def over_stride(mask: np.ndarray, past_len: int, stride: int) -> np.ndarray:
-    """A ``[S, P + S]`` mask widened to ``[S, stride + S]`` for a past fed as its whole buffer
-    stride (head-major caches, graph contract 2): the columns from ``P`` to ``stride`` are slots
-    this sequence has not committed, hidden with -inf."""
-    s = mask.shape[0]
-    if stride == past_len:
-        return mask
-    wide = np.full((s, stride + s), NEG_INF, dtype=np.float32)
-    wide[:, :past_len] = mask[:, :past_len]
-    wide[:, stride:] = mask[:, past_len:]
-    return wide
