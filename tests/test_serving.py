@@ -858,3 +858,15 @@ def test_server_is_ready_only_when_warm(tiny_pair, tiny_gen):
 
     assert config_from_args(build_parser().parse_args(["--bundle", "b"]), tiny_pair["bundle"]).warm_up
     assert not config_from_args(build_parser().parse_args(["--bundle", "b", "--no-warm-up"]), tiny_pair["bundle"]).warm_up
+
+
+@pytest.mark.parametrize("flag, value, says", [("--port", "-1", "an integer 0..65535"), ("--port", "70000", "an integer 0..65535"),
+                                               ("--max-queue", "-3", "an integer >= 0"), ("--max-batch", "0", "an integer >= 1")])
+def test_serve_flags_out_of_range_are_usage_errors(flag, value, says, capsys):
+    """Out-of-range numbers are argparse's one-line error (exit 2), not an OverflowError from the
+    socket or a ValueError from the scheduler once the model is loaded."""
+    from specdec_rt.serving.cli import build_parser
+
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["--bundle", "b", flag, value])
+    assert exc.value.code == 2 and f"argument {flag}: {says}" in capsys.readouterr().err

@@ -29,14 +29,21 @@ def _k(value: str) -> int | str:
     return k
 
 
-def _positive(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError("an integer >= 1") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError("an integer >= 1")
-    return n
+def _bounded(low: int, high: int | None = None):
+    """An argparse type: an integer in [low, high] (a port, a queue length), so a bad value is
+    the usual one-line usage error, not a traceback from the socket or the scheduler."""
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            n = None
+        if n is None or n < low or (high is not None and n > high):
+            raise argparse.ArgumentTypeError(f"an integer >= {low}" if high is None else f"an integer {low}..{high}")
+        return n
+    return parse
+
+
+_positive = _bounded(1)
 
 
 def _timeout(value: str) -> float | None:
@@ -68,7 +75,7 @@ def build_parser(prog: str = "specdec-serve") -> argparse.ArgumentParser:
                                  "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).")
     ap.add_argument("--bundle", required=True, help="bundle directory (specdec-export --out)")
     ap.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    ap.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    ap.add_argument("--port", type=_bounded(0, 65535), default=8000, help="0 picks a free port")
     ap.add_argument("--served-model-name", default=None, help="the 'model' clients send (default: the bundle's "
                     "directory name)")
     g = ap.add_argument_group("engine")
@@ -104,7 +111,7 @@ def build_parser(prog: str = "specdec-serve") -> argparse.ArgumentParser:
     g.add_argument("--max-batch", type=_positive, default=None, help="requests decoding at once as rows of one "
                    "batched generation (continuous batching); 1: one at a time (serial). Default: 8 on the CPU "
                    "provider, serial on GPU providers (batched calls are CPU-only)")
-    g.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the running ones; more "
+    g.add_argument("--max-queue", type=_bounded(0), default=64, help="requests waiting beyond the running ones; more "
                    "are answered 429 (default 64)")
     g.add_argument("--request-timeout", type=_timeout, default=600.0, help="per-request deadline in seconds, "
                    "queue wait included (0: none; default 600); a request may ask for less")
