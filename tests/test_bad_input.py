@@ -56,6 +56,7 @@ def test_invalid_sampling_values(tiny_gen, kwargs, word):
     (dict(stop=""), "stop"),  # an empty stop string would end every generation at once
     (dict(stop=["ok", ""]), "stop"),
     (dict(stop=[3]), "stop"),
+    (dict(stop=3), "stop"),
 ])
 def test_invalid_generation_arguments(tiny_gen, kwargs, word):
     with pytest.raises(GenerationInputError, match=word):

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import json
 
-from specdec_rt.cli.bench_cli import main
+import pytest
+
+from specdec_rt.cli.bench_cli import build_parser, main
 
 
 def test_bench_writes_results_table_and_plots(tiny_pair, tmp_path):
@@ -101,9 +103,6 @@ def test_bench_overlap_rows(tiny_pair, tmp_path):
 def test_bench_rejects_bad_lists_with_a_usage_line(capsys):
     """A draft length or batch size that is not a positive integer is argparse's one-line error
     (exit 2), not a ValueError traceback; ``auto`` in --k is accepted (K=auto runs anyway)."""
-    from specdec_rt.cli.bench_cli import build_parser
-    import pytest
-
     args = build_parser().parse_args(["--bundle", "b", "--out", "o", "--k", "4,auto,2", "--batch", "1,8"])
     assert args.k == [4, 2] and args.batch == [1, 8] and args.tree_budgets == [7, 10, 15]
     for flag, value in (("--k", "4,x"), ("--batch", "0"), ("--tree-budgets", "-3"), ("--peer-k", "2.5")):

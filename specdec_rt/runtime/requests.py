@@ -81,7 +81,15 @@ class RowRequest:
 
     @property
     def stops(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        """The stop strings, checked: each a non-empty string (an empty one would end every
+        generation at once)."""
+        if self.stop is None:
+            return []
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        if not isinstance(stops, (list, tuple)) or not all(isinstance(x, str) and x for x in stops):
+            raise GenerationInputError(f"stop must be a non-empty string or a list of them (an empty one "
+                                       f"would end every generation at once), got {self.stop!r}")
+        return list(stops)
 
     def loop_config(self, defaults: GenerationDefaults, eos_token_ids: Sequence[int]) -> LoopConfig:
         """The row's limits and sampling for the loop, validated, bundle defaults applied."""
@@ -93,10 +101,7 @@ class RowRequest:
         params = SamplingParams(float(temperature), int(top_k), float(top_p))
         if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             raise GenerationInputError(f"seed must be an integer >= 0 or None, got {self.seed!r}")
-        stops = self.stop if self.stop is None or isinstance(self.stop, str) else list(self.stop)
-        if stops is not None and not all(isinstance(x, str) and x for x in ([stops] if isinstance(stops, str) else stops)):
-            raise GenerationInputError(f"stop must be a non-empty string or a list of them (an empty one would "
-                                       f"end every generation at once), got {self.stop!r}")
+        _ = self.stops  # checked before anything decodes, whoever reads them later
         if self.user is not None and not isinstance(self.user, str):
             raise GenerationInputError(f"user must be a string or None, got {type(self.user).__name__}")
         return LoopConfig(max_new_tokens=int(n), params=params, eos_token_ids=tuple(eos_token_ids),
