@@ -78,6 +78,18 @@ def test_draft_vocab_ids_keeps_special_tokens_and_eos():
         ExportOptions(draft_vocab=3).check()
 
 
+@pytest.mark.parametrize("kwargs, says", [(dict(draft_vocab=64), "--draft-vocab cuts the draft model's LM head"),
+                                          (dict(draft_quantize="int4"), "--draft-quantize sets the draft model's"),
+                                          (dict(quantize="int4", quantize_roles=("target", "drfat")), "--quantize-models takes")])
+def test_draft_options_without_a_draft_or_with_a_typo_are_errors(tiny_pair, tmp_path, kwargs, says):
+    """Options that would do nothing are said to do nothing, before any model is loaded (they
+    were silently ignored)."""
+    draft = tiny_pair["draft"] if "quantize_roles" in kwargs else None
+    with pytest.raises(ExportError, match=says):
+        export_pair(tiny_pair["target"], draft, tmp_path / "b", ExportOptions(progress=False, **kwargs))
+    assert not (tmp_path / "b").exists()
+
+
 def test_sampled_output_follows_the_target(tiny_vocab_pair, tmp_path):
     """The 16-token pair with a draft that may propose 8 of them: the first three sampled tokens
     follow the target's law (chi-square, as tests/test_sampling.py), rejections included."""

@@ -43,6 +43,7 @@ BF16_REFUSED = ("--dtype bf16 is not supported: ONNX Runtime's CPU execution pro
 
 
 TARGET_ATTENTION = ("fp64", "native", "fused")
+QUANTIZE_ROLES = ("target", "draft", "head")
 HEAD_QUANTIZE = ("auto", "none", "int4", "int8", "w8a8")
 
 
@@ -117,6 +118,9 @@ class ExportOptions:
             raise ExportError(f"--head-quantize must be one of {', '.join(HEAD_QUANTIZE)}, not '{self.head_quantize}'")
         if self.max_context is not None and self.max_context < 16:
             raise ExportError("--max-context must be at least 16")
+        unknown = [r for r in self.quantize_roles if r not in QUANTIZE_ROLES]
+        if unknown:
+            raise ExportError(f"--quantize-models takes {', '.join(QUANTIZE_ROLES)}, not {', '.join(map(repr, unknown))}")
 
 
 @dataclass
@@ -686,6 +690,11 @@ def export_pair(target: str | os.PathLike, draft: str | os.PathLike | None, out:
     """
     options = options or ExportOptions()
     options.check()
+    if draft is None and options.draft_vocab is not None:  # it cuts the draft model's LM head only
+        raise ExportError("--draft-vocab cuts the draft model's LM head: give --draft too (a head's vocabulary is "
+                          "its training's: specdec-train-head --draft-vocab)")
+    if draft is None and options.draft_quantize != "auto":
+        raise ExportError("--draft-quantize sets the draft model's weights: give --draft too")
     # a GGUF file becomes its cached checkpoint folder here (converted on its first export)
     target, draft = (None if p is None else resolve_checkpoint(p, options.gguf_cache, options.progress)
                      for p in (target, draft))
