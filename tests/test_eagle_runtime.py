@@ -278,7 +278,9 @@ def test_server_auto_drafter_is_the_cheaper_one(eagle_pair, eagle_gen, tiny_gen,
     cost = store.cost_model
     saved = cost.draft_step
     cost.draft_step = 0.05 * cost.target(1)  # a draft as cheap as the reference pair's
-    assert SpecdecAPI(gen, ServerConfig(model_name="both")).defaults["drafter"] == "model"
-    cost.draft_step = saved
+    try:
+        assert SpecdecAPI(gen, ServerConfig(model_name="both")).defaults["drafter"] == "model"
+    finally:
+        cost.draft_step = saved  # the module's generator is shared by later tests
     store.head_step = store.cost_model.draft_step / 2
     assert SpecdecAPI(gen, ServerConfig(model_name="both")).defaults["drafter"] == "eagle"

@@ -19,6 +19,7 @@ from specdec_rt.runtime import cost_cache
 from specdec_rt.runtime.engine_base import EngineBase
 from specdec_rt.runtime.probes import probe_prefix_reuse
 
+
 def check_setting(setting) -> None:
     """``load(prefix_cache=...)``: True (reuse between any requests), "per-user" (only between
     requests of the same ``user``: a hit shows in the time to first token) or False."""
