@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from helpers import make_chat_checkpoint, make_perturbed_copy
+from helpers import RUNTIME_FORBIDDEN, assert_runs_without, make_chat_checkpoint, make_perturbed_copy
 
 from specdec_rt.cli import head_data as hd
 from specdec_rt.errors import GenerationInputError
@@ -169,3 +169,12 @@ def test_the_output_trains_a_head(chat_bundle, tmp_path):
     assert rc == 0
     log = json.loads((tmp_path / "head" / "training_log.json").read_text())
     assert log["data"]["chat_records"] == 4 and len(log["steps"]) == 2
+
+
+def test_runs_without_torch(tiny_pair, tmp_path):
+    """The data is made where the bundle runs: a run loads neither torch nor specdec_rt.export."""
+    prompts = _write(tmp_path / "p.jsonl", ["abc"])
+    code = ("from specdec_rt.cli.head_data import main\n"
+            f"assert main(['--bundle', {str(tiny_pair['bundle'])!r}, '--prompts', {str(prompts)!r}, "
+            f"'--out', {str(tmp_path / 'o.jsonl')!r}, '--max-new-tokens', '3', '--no-progress']) == 0\n")
+    assert_runs_without(code, **RUNTIME_FORBIDDEN)
