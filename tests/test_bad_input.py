@@ -301,3 +301,18 @@ def test_out_folder_that_is_not_a_bundle_is_not_replaced(tiny_pair, tmp_path):
     msg = _export_fails(tiny_pair["target"], out)
     assert "not a specdec-rt bundle" in msg
     assert (out / "todo.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("-k", "-3", "expected an integer 0..64 or 'auto', got '-3'"),
+    ("--num-draft-tokens", "65", "expected an integer 0..64 or 'auto'"),
+    ("--num-draft-tokens", "four", "expected an integer 0..64 or 'auto'"),
+    ("--batch-size", "0", "an integer >= 1"),
+])
+def test_run_flags_out_of_range_are_usage_errors(flag, value, says, capsys):
+    """specdec-run's numbers are checked by argparse (one line, exit 2), before a bundle loads."""
+    from specdec_rt.cli.run_cli import build_parser
+
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["--bundle", "b", flag, value])
+    assert exc.value.code == 2 and says in capsys.readouterr().err

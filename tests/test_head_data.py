@@ -148,11 +148,12 @@ def test_plain_targets_take_single_prompts(tiny_pair, tmp_path, capsys):
     assert "need a bundle with a chat template" in capsys.readouterr().err
 
 
-def test_bad_numbers_are_usage_errors(tmp_path):
-    for flag in ("--batch-size", "--max-new-tokens", "--limit", "--chunk"):
+def test_bad_numbers_are_usage_errors(capsys):
+    for flag, value in (("--batch-size", "0"), ("--max-new-tokens", "0"), ("--limit", "-1"), ("--chunk", "x"),
+                        ("--num-draft-tokens", "65")):
         with pytest.raises(SystemExit) as exc:
-            hd.parse_args(["--bundle", "b", "--prompts", "p", "--out", "o", flag, "0"])
-        assert exc.value.code == 2
+            hd.parse_args(["--bundle", "b", "--prompts", "p", "--out", "o", flag, value])
+        assert exc.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
 
 
 def test_the_output_trains_a_head(chat_bundle, tmp_path):

@@ -861,7 +861,9 @@ def test_server_is_ready_only_when_warm(tiny_pair, tiny_gen):
 
 
 @pytest.mark.parametrize("flag, value, says", [("--port", "-1", "an integer 0..65535"), ("--port", "70000", "an integer 0..65535"),
-                                               ("--max-queue", "-3", "an integer >= 0"), ("--max-batch", "0", "an integer >= 1")])
+                                               ("--max-queue", "-3", "an integer >= 0"), ("--max-batch", "0", "an integer >= 1"),
+                                               ("--num-draft-tokens", "65", "expected an integer 0..64 or 'auto'"),
+                                               ("--num-draft-tokens", "x", "expected an integer 0..64 or 'auto'")])
 def test_serve_flags_out_of_range_are_usage_errors(flag, value, says, capsys):
     """Out-of-range numbers are argparse's one-line error (exit 2), not an OverflowError from the
     socket or a ValueError from the scheduler once the model is loaded."""

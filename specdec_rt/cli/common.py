@@ -8,13 +8,36 @@ from typing import Callable
 from specdec_rt.runtime.drafter_names import DRAFTERS
 
 
+def bounded_int(low: int, high: int | None = None):
+    """An argparse type: an integer in [low, high] (a port, a batch size, a queue length), so a
+    bad value is argparse's one-line usage error, not a traceback from deep inside."""
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            n = None
+        if n is None or n < low or (high is not None and n > high):
+            raise argparse.ArgumentTypeError(f"an integer >= {low}" if high is None else f"an integer {low}..{high}")
+        return n
+    return parse
+
+
+positive_int = bounded_int(1)
+
+
 def draft_tokens_arg(value: str) -> int | str:
+    """An argparse type: K as ``auto`` or 0..64 (the runtime's ``MAX_DRAFT_TOKENS``)."""
+    from specdec_rt.runtime.requests import MAX_DRAFT_TOKENS
+
     if value == "auto":
         return "auto"
     try:
-        return int(value)
+        k = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
+        k = None
+    if k is None or not 0 <= k <= MAX_DRAFT_TOKENS:
+        raise argparse.ArgumentTypeError(f"expected an integer 0..{MAX_DRAFT_TOKENS} or 'auto', got {value!r}")
+    return k
 
 
 def add_generation_args(ap: argparse.ArgumentParser) -> None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from specdec_rt.cli.common import draft_tokens_arg, fail
+from specdec_rt.cli.common import draft_tokens_arg, fail, positive_int
 from specdec_rt.errors import GenerationInputError
 from specdec_rt.runtime.drafter_names import DRAFTERS
 
@@ -195,7 +195,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--bundle", required=True, help="the target's bundle (specdec-export)")
     ap.add_argument("--prompts", required=True, nargs="+", help="JSONL files of conversations (see --help's layouts)")
     ap.add_argument("--out", required=True, help="JSONL file to write (appended to when it exists: a resumed run)")
-    ap.add_argument("--max-new-tokens", type=int, default=512, help="per answer (default 512)")
+    ap.add_argument("--max-new-tokens", type=positive_int, default=512, help="per answer (default 512)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0 = greedy (default: the target's most likely answers); > 0 samples")
     ap.add_argument("--top-k", type=int, default=None)
@@ -204,22 +204,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--drafter", default=None, choices=[*DRAFTERS, "none"],
                     help="default: the draft model when the bundle has one, else suffix lookup")
     ap.add_argument("--num-draft-tokens", "-k", type=draft_tokens_arg, default="auto")
-    ap.add_argument("--batch-size", type=int, default=1,
+    ap.add_argument("--batch-size", type=positive_int, default=1,
                     help="conversations decoding at once (default 1: on 2 CPU cores a 1.5B target's batched "
                          "calls are compute-bound, measured 2.3x slower at 3 than one at a time; raise it on GPUs)")
-    ap.add_argument("--chunk", type=int, default=None,
+    ap.add_argument("--chunk", type=positive_int, default=None,
                     help="conversations per written block (default max(4, 2 x --batch-size)): what an "
                          "interruption loses")
-    ap.add_argument("--limit", type=int, default=None, help="answer at most this many conversations")
+    ap.add_argument("--limit", type=positive_int, default=None, help="answer at most this many conversations")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--provider", default="cpu", help="cpu | cuda | tensorrt")
     ap.add_argument("--no-progress", action="store_true")
-    args = ap.parse_args(argv)
-    for name in ("max_new_tokens", "batch_size", "chunk", "limit"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            ap.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    return args
+    return ap.parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from specdec_rt.cli.common import add_generation_args, fail, generation_kwargs
+from specdec_rt.cli.common import add_generation_args, fail, generation_kwargs, positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="JSONL file, one prompt per line: {\"prompt\": ...} with optional per-row "
                          "max_new_tokens, temperature, top_k, top_p, seed, stop, do_sample, ignore_eos "
                          "(or a bare JSON string); decoded as a batch, one JSON result per line in order")
-    ap.add_argument("--batch-size", type=int, default=None,
+    ap.add_argument("--batch-size", type=positive_int, default=None,
                     help="with --batch-file: prompts decoding at once (default: all of them, at most 8); "
                          "finished rows are replaced by waiting prompts")
     ap.add_argument("--overlap", action="store_true",

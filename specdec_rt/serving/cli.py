@@ -14,36 +14,8 @@ import socket
 import sys
 from pathlib import Path
 
+from specdec_rt.cli.common import bounded_int, draft_tokens_arg, positive_int
 from specdec_rt.errors import USER_ERRORS
-
-
-def _k(value: str) -> int | str:
-    if value == "auto":
-        return value
-    try:
-        k = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError("an integer 0..64 or 'auto'") from None
-    if not 0 <= k <= 64:
-        raise argparse.ArgumentTypeError("an integer 0..64 or 'auto'")
-    return k
-
-
-def _bounded(low: int, high: int | None = None):
-    """An argparse type: an integer in [low, high] (a port, a queue length), so a bad value is
-    the usual one-line usage error, not a traceback from the socket or the scheduler."""
-    def parse(value: str) -> int:
-        try:
-            n = int(value)
-        except ValueError:
-            n = None
-        if n is None or n < low or (high is not None and n > high):
-            raise argparse.ArgumentTypeError(f"an integer >= {low}" if high is None else f"an integer {low}..{high}")
-        return n
-    return parse
-
-
-_positive = _bounded(1)
 
 
 def _timeout(value: str) -> float | None:
@@ -75,7 +47,7 @@ def build_parser(prog: str = "specdec-serve") -> argparse.ArgumentParser:
                                  "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).")
     ap.add_argument("--bundle", required=True, help="bundle directory (specdec-export --out)")
     ap.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    ap.add_argument("--port", type=_bounded(0, 65535), default=8000, help="0 picks a free port")
+    ap.add_argument("--port", type=bounded_int(0, 65535), default=8000, help="0 picks a free port")
     ap.add_argument("--served-model-name", default=None, help="the 'model' clients send (default: the bundle's "
                     "directory name)")
     g = ap.add_argument_group("engine")
@@ -85,7 +57,7 @@ def build_parser(prog: str = "specdec-serve") -> argparse.ArgumentParser:
     g.add_argument("--max-context", "--max-length", dest="max_context", type=int, default=None,
                    help="positions to preallocate K/V for (default: the bundle's context, at most 4096)")
     g = ap.add_argument_group("speculation defaults (a request overrides them in its 'specdec' field)")
-    g.add_argument("--num-draft-tokens", type=_k, default="auto", help="0..64 or auto (default auto)")
+    g.add_argument("--num-draft-tokens", type=draft_tokens_arg, default="auto", help="0..64 or auto (default auto)")
     g.add_argument("--drafter", default="auto",
                    choices=("auto", "model", "prompt_lookup", "hybrid", "suffix", "suffix_hybrid", "eagle", "none"),
                    help="auto: the bundle's EAGLE-3 head or draft model, whichever drafts a token for less on this "
@@ -102,16 +74,16 @@ def build_parser(prog: str = "specdec-serve") -> argparse.ArgumentParser:
                    help="let the suffix drafters match earlier requests' outputs: per-user (one pool per request "
                         "'user', none without one) or shared (one pool for all: a single-tenant server). "
                         "Proposals only: outputs stay exact (default off)")
-    g.add_argument("--suffix-pool-tokens", type=_positive, default=200_000,
+    g.add_argument("--suffix-pool-tokens", type=positive_int, default=200_000,
                    help="tokens the suffix pool holds, oldest requests evicted first (default 200000)")
     g.add_argument("--speculation", default="chain", choices=("chain", "tree"))
     g.add_argument("--overlap", action="store_true", help="draft the next block while the target verifies "
                    "(chains; the models get their own thread pools instead of one shared pool); same output")
     g = ap.add_argument_group("limits")
-    g.add_argument("--max-batch", type=_positive, default=None, help="requests decoding at once as rows of one "
+    g.add_argument("--max-batch", type=positive_int, default=None, help="requests decoding at once as rows of one "
                    "batched generation (continuous batching); 1: one at a time (serial). Default: 8 on the CPU "
                    "provider, serial on GPU providers (batched calls are CPU-only)")
-    g.add_argument("--max-queue", type=_bounded(0), default=64, help="requests waiting beyond the running ones; more "
+    g.add_argument("--max-queue", type=bounded_int(0), default=64, help="requests waiting beyond the running ones; more "
                    "are answered 429 (default 64)")
     g.add_argument("--request-timeout", type=_timeout, default=600.0, help="per-request deadline in seconds, "
                    "queue wait included (0: none; default 600); a request may ask for less")
