@@ -368,7 +368,7 @@ class SpecdecAPI:
         stream = args.pop("stream")
         prompt = args.pop("prompt")
         if args["drafter"] == "default":
-            args["drafter"] = self.defaults["tree_drafter" if args.get("speculation") == "tree" else "drafter"]
+            args["drafter"] = P.server_drafter(self.defaults, args.get("speculation"))
         try:
             ids = await self.off_loop(self.gen.encode_prompt, prompt)
             job = self.submit(GenSpec(ids, args, self.config.request_timeout))

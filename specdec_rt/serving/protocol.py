@@ -128,6 +128,14 @@ def _refuse_unless(cond: bool, param: str, message: str) -> None:
         raise bad(message, param, "unsupported_parameter")
 
 
+def server_drafter(defaults: dict, speculation: str | None) -> str | None:
+    """The drafter of a request that names none: the server's, or for trees its tree drafter
+    (``--drafter auto`` may pick a chain drafter, e.g. suffix_hybrid, that cannot draft trees)."""
+    if speculation == "tree":
+        return defaults.get("tree_drafter", defaults.get("drafter"))
+    return defaults.get("drafter")
+
+
 def _common(body: dict, kind: str, accepted: set[str], served_model: str, defaults: dict,
             max_tokens_limit: int, max_timeout: float | None) -> ParsedRequest:
     unknown = sorted(set(body) - accepted)
@@ -182,8 +190,7 @@ def _common(body: dict, kind: str, accepted: set[str], served_model: str, defaul
             raise bad(f"'{name}' must be a string", name, "invalid_type")
 
     spec = dict(defaults)
-    # a request asking for trees without naming a drafter gets the server's tree drafter
-    tree_drafter = spec.pop("tree_drafter", spec.get("drafter"))
+    spec.pop("tree_drafter", None)
     ext = body.get("specdec")
     if ext is not None:
         if not isinstance(ext, dict):
@@ -215,8 +222,8 @@ def _common(body: dict, kind: str, accepted: set[str], served_model: str, defaul
             if t <= 0:
                 raise bad("'specdec.timeout' must be > 0 seconds", "specdec.timeout", "invalid_value")
             req.timeout = t
-    if spec.get("speculation") == "tree" and not (isinstance(ext, dict) and "drafter" in ext):
-        spec["drafter"] = tree_drafter
+    if not (isinstance(ext, dict) and "drafter" in ext):
+        spec["drafter"] = server_drafter(defaults, spec.get("speculation"))
     if max_timeout is not None:
         req.timeout = max_timeout if req.timeout is None else min(req.timeout, max_timeout)
     req.stop_given = bool(stop)
