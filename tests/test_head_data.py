@@ -45,6 +45,22 @@ def test_reads_the_common_layouts(tmp_path):
         ("p.jsonl:4", ["f"], None), ("p.jsonl:5", ["g"], None)]
 
 
+def test_reads_sharegpt_json_lists(tmp_path):
+    f = tmp_path / "sharegpt.json"
+    f.write_text(json.dumps([{"id": "a1", "conversations": [{"from": "human", "value": "q"},
+                                                            {"from": "gpt", "value": "r"},
+                                                            {"from": "human", "value": "q2"}]},
+                             {"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "x"}]}]))
+    convs = hd.read_conversations([f])
+    assert [(c.id, c.turns, c.system) for c in convs] == [("a1", ["q", "q2"], None), ("sharegpt.json[1]", ["x"], "s")]
+    f.write_text(json.dumps({"not": "a list"}))
+    with pytest.raises(GenerationInputError, match="must hold a list"):
+        hd.read_conversations([f])
+    f.write_text(json.dumps([{"conversations": [{"from": "human"}]}]))
+    with pytest.raises(GenerationInputError, match=r"sharegpt.json\[0\]: conversations\[0\] needs"):
+        hd.read_conversations([f])
+
+
 @pytest.mark.parametrize("line, words", [
     ("{not json", "p.jsonl:1: not valid JSON"),
     (json.dumps({"text": "x"}), "needs \"messages\""),

@@ -8,7 +8,8 @@ continuations. This command produces that data with the runtime itself (speculat
 responses are exactly the target's, and several times faster than target-only decoding), on the
 machine that will run the bundle, without torch; ``specdec-train-head --data OUT.jsonl`` reads it.
 
-Input: JSONL files, one conversation per line, in any of the common layouts: ``{"messages":
+Input: JSONL files, one conversation per line (or .json files holding a list of them, as
+ShareGPT's dumps are), in any of the common layouts: ``{"messages":
 [{"role", "content"}...]}`` (OpenAI; assistant turns are dropped and regenerated),
 ``{"conversations": [{"from": "human"|"gpt"|"system", "value"}...]}`` (ShareGPT), ``{"turns":
 [...]}`` (MT-Bench / Spec-Bench), ``{"prompt": "..."}`` or a bare JSON string. Every user turn is
@@ -78,21 +79,39 @@ def _turns_of(rec, where: str) -> tuple[list[str], str | None]:
     raise GenerationInputError(f"{where}: a record needs \"messages\", \"conversations\", \"turns\" or \"prompt\"")
 
 
+def _records(path: Path) -> Iterator[tuple[str, object]]:
+    """(place, record) of a JSONL file (place ``:line``), or of a .json file holding one list
+    (ShareGPT's dumps; place ``[index]``)."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        try:
+            items = json.loads(text)
+        except ValueError as exc:
+            raise GenerationInputError(f"{path}: not valid JSON ({exc})") from None
+        if not isinstance(items, list):
+            raise GenerationInputError(f"{path}: a .json prompt file must hold a list of records (else use JSONL)")
+        for i, rec in enumerate(items):
+            yield f"[{i}]", rec
+        return
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError as exc:
+            raise GenerationInputError(f"{path}:{n}: not valid JSON ({exc})") from None
+        yield f":{n}", rec
+
+
 def read_conversations(paths: Sequence[str | Path]) -> list[Conversation]:
-    """Every conversation of the input files, in order; errors name the file and line."""
+    """Every conversation of the input files, in order; errors name the file and line (or index)."""
     out: list[Conversation] = []
     seen: set[str] = set()
     for path in map(Path, paths):
         if not path.is_file():
             raise GenerationInputError(f"prompt file '{path}' does not exist")
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                rec = json.loads(line)
-            except ValueError as exc:
-                raise GenerationInputError(f"{where}: not valid JSON ({exc})") from None
+        for place, rec in _records(path):
+            where = f"{path}{place}"
             turns, system = _turns_of(rec, where)
             if not turns or any(not isinstance(t, str) or not t.strip() for t in turns):
                 raise GenerationInputError(f"{where}: every user turn must be a non-empty string "
@@ -100,7 +119,7 @@ def read_conversations(paths: Sequence[str | Path]) -> list[Conversation]:
             if system is not None and not isinstance(system, str):
                 raise GenerationInputError(f"{where}: the system prompt must be a string")
             rid = rec.get("id", rec.get("question_id")) if isinstance(rec, dict) else None
-            cid = str(rid) if rid is not None else f"{path.name}:{n}"
+            cid = str(rid) if rid is not None else f"{path.name}{place}"
             if cid in seen:
                 raise GenerationInputError(f"{where}: conversation id {cid!r} appears twice")
             seen.add(cid)
@@ -175,6 +194,14 @@ def respond(gen, convs: list[Conversation], seeds: Sequence[int] | None = None,
                       "new_tokens": new_tokens[i]}, None
 
 
+def default_drafter(gen) -> str:
+    """What drafts when ``--drafter`` is not given: the bundle's draft model, else its head (a
+    head being retrained drafts for its successor's data), else suffix lookup (free; any bundle)."""
+    if gen.draft_engine is not None:
+        return "model"
+    return "eagle" if gen.head is not None else "suffix"
+
+
 class _NoBar:
     def update(self, n: int) -> None: ...
 
@@ -193,7 +220,7 @@ def _progress(total: int, disabled: bool):
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="specdec-head-data", description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", required=True, help="the target's bundle (specdec-export)")
-    ap.add_argument("--prompts", required=True, nargs="+", help="JSONL files of conversations (see --help's layouts)")
+    ap.add_argument("--prompts", required=True, nargs="+", help="JSONL files of conversations, or .json files holding a list of them (ShareGPT dumps)")
     ap.add_argument("--out", required=True, help="JSONL file to write (appended to when it exists: a resumed run)")
     ap.add_argument("--max-new-tokens", type=positive_int, default=512, help="per answer (default 512)")
     ap.add_argument("--temperature", type=float, default=0.0,
@@ -202,7 +229,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--top-p", type=float, default=None)
     ap.add_argument("--seed", type=int, default=0, help="sampled runs: per-conversation seeds derive from it")
     ap.add_argument("--drafter", default=None, choices=[*DRAFTERS, "none"],
-                    help="default: the draft model when the bundle has one, else suffix lookup")
+                    help="default: the bundle's draft model, else its EAGLE-3 head, else suffix lookup")
     ap.add_argument("--num-draft-tokens", "-k", type=draft_tokens_arg, default="auto")
     ap.add_argument("--batch-size", type=positive_int, default=1,
                     help="conversations decoding at once (default 1: on 2 CPU cores a 1.5B target's batched "
@@ -228,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
     todo = [(i, c) for i, c in enumerate(convs) if c.id not in done]
     gen = specdec_rt.load(args.bundle, provider=args.provider, threads=args.threads, shared_thread_pool=True,
                           max_batch=args.batch_size, prefix_cache=False)
-    drafter = args.drafter or ("model" if gen.draft_engine is not None else "suffix")
+    drafter = args.drafter or default_drafter(gen)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, num_draft_tokens=args.num_draft_tokens,
                   drafter=None if drafter == "none" else drafter, batch_size=args.batch_size)
