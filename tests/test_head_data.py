@@ -116,6 +116,21 @@ def test_greedy_answers_are_the_targets_and_history_carries_them(chat_bundle, tm
     assert all(set(r["finish_reasons"]) <= {"length", "eos", "stop"} for r in recs)
 
 
+def test_turns_beyond_the_context_cut_the_conversation_short(chat_bundle, tmp_path, capsys):
+    long = " ".join(["word"] * 400)  # far beyond the 256-position context
+    prompts = _write(tmp_path / "p.jsonl", [{"id": "cut", "turns": ["hi", long, "never asked"]},
+                                            {"id": "whole", "turns": ["yo"]}, {"id": "none", "turns": [long]}])
+    out = tmp_path / "o.jsonl"
+    assert hd.main(["--bundle", str(chat_bundle["bundle"]), "--prompts", str(prompts), "--out", str(out),
+                    "--max-new-tokens", "6", "--no-progress"]) == 1  # "none" could not start
+    err = capsys.readouterr().err
+    assert "skipped none:" in err and "1 cut short" in err
+    recs = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert set(recs) == {"cut", "whole"}
+    assert [m["role"] for m in recs["cut"]["messages"]] == ["user", "assistant"]
+    assert recs["cut"]["truncated"].startswith("after turn 1 of 3:") and "truncated" not in recs["whole"]
+
+
 def test_resume_skips_what_is_written(chat_bundle, tmp_path):
     prompts = _write(tmp_path / "p.jsonl", [{"prompt": f"question {i}"} for i in range(5)])
     args = ["--bundle", str(chat_bundle["bundle"]), "--prompts", str(prompts), "--max-new-tokens", "6",

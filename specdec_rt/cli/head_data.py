@@ -152,7 +152,9 @@ def respond(gen, convs: list[Conversation], seeds: Sequence[int] | None = None,
             **kwargs) -> Iterator[tuple[Conversation, dict | None, str | None]]:
     """Answer every user turn of ``convs`` (turn by turn, all conversations of a turn in one
     batch; ``kwargs`` go to ``generate_batch``); per conversation: (it, its output record or
-    None, the error that stopped it). ``seeds``: per conversation, sampled turn t draws with
+    None, the error that stopped it). A conversation whose later turn fails (its history no
+    longer fits the context) keeps the turns answered before it, with ``"truncated"`` saying
+    why; one whose first turn fails has no record. ``seeds``: per conversation, sampled turn t draws with
     seed + t (with a fixed ``num_draft_tokens``, the same draws whatever it is batched with;
     "auto" chooses K per batch, so its draws differ, from the same distribution)."""
     chat = gen.chat_template is not None
@@ -166,6 +168,8 @@ def respond(gen, convs: list[Conversation], seeds: Sequence[int] | None = None,
     replies: list[str] = [""] * len(convs)
     for turn in range(max(len(c.turns) for c in convs)):
         live = [i for i, c in enumerate(convs) if turn < len(c.turns) and errors[i] is None]
+        if not live:
+            break
         rows = []
         for i in live:
             history[i].append({"role": "user", "content": convs[i].turns[turn]})
@@ -178,20 +182,21 @@ def respond(gen, convs: list[Conversation], seeds: Sequence[int] | None = None,
         for i, res in zip(live, gen.generate_batch(rows, **kwargs)):
             if res.finish_reason == "error":
                 errors[i] = res.error
+                history[i].pop()  # the turn that could not be answered
                 continue
             history[i].append({"role": "assistant", "content": res.text})
             replies[i] = res.text
             reasons[i].append(res.finish_reason)
             new_tokens[i] += len(res.token_ids)
     for i, c in enumerate(convs):
-        if errors[i] is not None:
+        if not reasons[i]:
             yield c, None, errors[i]
-        elif chat:
-            yield c, {"id": c.id, "messages": history[i], "finish_reasons": reasons[i],
-                      "new_tokens": new_tokens[i]}, None
-        else:
-            yield c, {"id": c.id, "text": c.turns[0] + replies[i], "finish_reasons": reasons[i],
-                      "new_tokens": new_tokens[i]}, None
+            continue
+        rec = ({"id": c.id, "messages": history[i]} if chat else {"id": c.id, "text": c.turns[0] + replies[i]})
+        rec.update(finish_reasons=reasons[i], new_tokens=new_tokens[i])
+        if errors[i] is not None:
+            rec["truncated"] = f"after turn {len(reasons[i])} of {len(c.turns)}: {errors[i]}"
+        yield c, rec, errors[i]
 
 
 def default_drafter(gen) -> str:
@@ -238,7 +243,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="conversations per written block (default max(4, 2 x --batch-size)): what an "
                          "interruption loses")
     ap.add_argument("--limit", type=positive_int, default=None, help="answer at most this many conversations")
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--threads", type=positive_int, default=None)
+    ap.add_argument("--max-context", type=positive_int, default=None,
+                    help="positions per conversation (default: the bundle's context, at most 4096); "
+                         "later turns that do not fit end the conversation there")
     ap.add_argument("--provider", default="cpu", help="cpu | cuda | tensorrt")
     ap.add_argument("--no-progress", action="store_true")
     return ap.parse_args(argv)
@@ -254,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
     done = done_ids(out)
     todo = [(i, c) for i, c in enumerate(convs) if c.id not in done]
     gen = specdec_rt.load(args.bundle, provider=args.provider, threads=args.threads, shared_thread_pool=True,
-                          max_batch=args.batch_size, prefix_cache=False)
+                          max_batch=args.batch_size, max_context=args.max_context, prefix_cache=False)
     drafter = args.drafter or default_drafter(gen)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, num_draft_tokens=args.num_draft_tokens,
@@ -264,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
           file=sys.stderr)
     bar = _progress(len(todo), disabled=args.no_progress)
     out.parent.mkdir(parents=True, exist_ok=True)
-    failed, tokens, t0 = 0, 0, time.perf_counter()
+    failed, truncated, tokens, t0 = 0, 0, 0, time.perf_counter()
     with out.open("a", encoding="utf-8") as f:
         for start in range(0, len(todo), chunk):
             block = todo[start:start + chunk]
@@ -274,15 +282,17 @@ def run(args: argparse.Namespace) -> int:
                 if rec is None:
                     failed += 1
                     print(f"skipped {conv.id}: {err}", file=sys.stderr)
-                else:
-                    f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-                    tokens += rec["new_tokens"]
+                    continue
+                truncated += err is not None
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                tokens += rec["new_tokens"]
             f.flush()
             bar.update(len(block))
     bar.close()
     secs = time.perf_counter() - t0
     print(f"wrote {len(todo) - failed} conversations ({tokens} new tokens, {tokens / max(secs, 1e-9):.1f} tok/s) "
-          f"to {out}" + (f"; {failed} skipped" if failed else ""), file=sys.stderr)
+          f"to {out}" + (f", {truncated} cut short (later turns beyond the context)" if truncated else "")
+          + (f"; {failed} skipped" if failed else ""), file=sys.stderr)
     return 1 if failed else 0
 
 
