@@ -39,7 +39,7 @@ def test_reads_the_common_layouts(tmp_path):
         {"prompt": "f"},
         "g",
     ])
-    convs = hd.read_conversations([f])
+    convs, _ = hd.read_conversations([f])
     assert [(c.id, c.turns, c.system) for c in convs] == [
         ("p.jsonl:1", ["a", "b"], "be brief"), ("sg1", ["c"], None), ("81", ["d", "e"], None),
         ("p.jsonl:4", ["f"], None), ("p.jsonl:5", ["g"], None)]
@@ -51,7 +51,7 @@ def test_reads_sharegpt_json_lists(tmp_path):
                                                             {"from": "gpt", "value": "r"},
                                                             {"from": "human", "value": "q2"}]},
                              {"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "x"}]}]))
-    convs = hd.read_conversations([f])
+    convs, _ = hd.read_conversations([f])
     assert [(c.id, c.turns, c.system) for c in convs] == [("a1", ["q", "q2"], None), ("sharegpt.json[1]", ["x"], "s")]
     f.write_text(json.dumps({"not": "a list"}))
     with pytest.raises(GenerationInputError, match="must hold a list"):
@@ -75,10 +75,13 @@ def test_bad_records_name_file_and_line(tmp_path, line, words):
         hd.read_conversations([tmp_path / "p.jsonl"])
 
 
-def test_duplicate_ids_and_missing_files(tmp_path):
-    f = _write(tmp_path / "p.jsonl", [{"id": 1, "prompt": "a"}, {"id": "1", "prompt": "b"}])
+def test_duplicate_ids_empty_turns_and_missing_files(tmp_path):
+    f = _write(tmp_path / "p.jsonl", [{"id": 1, "prompt": "a"}, {"id": "1", "prompt": "b"}, {"turns": [" "]},
+                                      {"id": 1, "messages": [{"role": "user", "content": "c"}]}])
     with pytest.raises(GenerationInputError, match="p.jsonl:2: conversation id '1' appears twice"):
         hd.read_conversations([f])
+    convs, left_out = hd.read_conversations([f], strict=False)  # a scraped dump: numbered, left out
+    assert [(c.id, c.turns) for c in convs] == [("1", ["a"]), ("1#2", ["b"]), ("1#3", ["c"])] and left_out == 1
     with pytest.raises(GenerationInputError, match="does not exist"):
         hd.read_conversations([tmp_path / "nope.jsonl"])
     assert hd.main(["--bundle", "x", "--prompts", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o")]) == 1

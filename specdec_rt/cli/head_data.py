@@ -5,8 +5,8 @@ target generated itself (ShareGPT / UltraChat questions with the answers regener
 human-written text: measured on the reference pair, a head trained on corpus text alone trailed
 the draft model (acceptance at K=4 0.63 against 0.72) until a stage on the target's own
 continuations. This command produces that data with the runtime itself (speculative, so greedy
-responses are exactly the target's, and several times faster than target-only decoding), on the
-machine that will run the bundle, without torch; ``specdec-train-head --data OUT.jsonl`` reads it.
+responses are exactly the target's, at the bundle's speculative speed), on the machine that will
+run the bundle, without torch; ``specdec-train-head --data OUT.jsonl`` reads it.
 
 Input: JSONL files, one conversation per line (or .json files holding a list of them, as
 ShareGPT's dumps are), in any of the common layouts: ``{"messages":
@@ -32,7 +32,7 @@ from specdec_rt.cli.common import draft_tokens_arg, fail, positive_int
 from specdec_rt.errors import GenerationInputError
 from specdec_rt.runtime.drafter_names import DRAFTERS
 
-USER_ROLES = {"user": "user", "human": "user"}
+USER_ROLES = ("user", "human")
 ASSISTANT_ROLES = ("assistant", "gpt", "bot", "model", "chatgpt")
 
 
@@ -103,30 +103,41 @@ def _records(path: Path) -> Iterator[tuple[str, object]]:
         yield f":{n}", rec
 
 
-def read_conversations(paths: Sequence[str | Path]) -> list[Conversation]:
-    """Every conversation of the input files, in order; errors name the file and line (or index)."""
+def read_conversations(paths: Sequence[str | Path], strict: bool = True) -> tuple[list[Conversation], int]:
+    """Every conversation of the input files, in order, and how many were left out. Records that
+    are not JSON or not one of the layouts are errors naming the file and line (or index).
+    ``strict``: so are records without a non-empty user turn and repeated ids; otherwise (the
+    CLI's default, for large scraped dumps) such records are left out and a repeated id gets
+    ``#2``, ``#3``... in input order, so a resumed run names them alike."""
     out: list[Conversation] = []
-    seen: set[str] = set()
+    seen: dict[str, int] = {}
+    left_out = 0
     for path in map(Path, paths):
         if not path.is_file():
             raise GenerationInputError(f"prompt file '{path}' does not exist")
         for place, rec in _records(path):
             where = f"{path}{place}"
             turns, system = _turns_of(rec, where)
-            if not turns or any(not isinstance(t, str) or not t.strip() for t in turns):
-                raise GenerationInputError(f"{where}: every user turn must be a non-empty string "
-                                           f"(and there must be at least one)")
             if system is not None and not isinstance(system, str):
                 raise GenerationInputError(f"{where}: the system prompt must be a string")
+            if not turns or any(not isinstance(t, str) or not t.strip() for t in turns):
+                if strict:
+                    raise GenerationInputError(f"{where}: every user turn must be a non-empty string "
+                                               f"(and there must be at least one)")
+                left_out += 1
+                continue
             rid = rec.get("id", rec.get("question_id")) if isinstance(rec, dict) else None
             cid = str(rid) if rid is not None else f"{path.name}{place}"
             if cid in seen:
-                raise GenerationInputError(f"{where}: conversation id {cid!r} appears twice")
-            seen.add(cid)
+                if strict:
+                    raise GenerationInputError(f"{where}: conversation id {cid!r} appears twice")
+                seen[cid] += 1
+                cid = f"{cid}#{seen[cid]}"
+            seen.setdefault(cid, 1)
             out.append(Conversation(cid, turns, system))
     if not out:
         raise GenerationInputError("the prompt files hold no conversations")
-    return out
+    return out, left_out
 
 
 def done_ids(out: Path) -> set[str]:
@@ -248,6 +259,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="positions per conversation (default: the bundle's context, at most 4096); "
                          "later turns that do not fit end the conversation there")
     ap.add_argument("--provider", default="cpu", help="cpu | cuda | tensorrt")
+    ap.add_argument("--strict", action="store_true",
+                    help="records without a user turn and repeated ids are errors (default: left out / "
+                         "numbered id#2, id#3..., as scraped dumps need)")
     ap.add_argument("--no-progress", action="store_true")
     return ap.parse_args(argv)
 
@@ -255,7 +269,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> int:
     import specdec_rt
 
-    convs = read_conversations(args.prompts)
+    convs, left_out = read_conversations(args.prompts, strict=args.strict)
     if args.limit:
         convs = convs[:args.limit]
     out = Path(args.out)
@@ -268,8 +282,8 @@ def run(args: argparse.Namespace) -> int:
                   top_p=args.top_p, num_draft_tokens=args.num_draft_tokens,
                   drafter=None if drafter == "none" else drafter, batch_size=args.batch_size)
     chunk = args.chunk or max(4, 2 * args.batch_size)
-    print(f"{len(convs)} conversations, {len(convs) - len(todo)} already in {out}; drafter {drafter}",
-          file=sys.stderr)
+    print(f"{len(convs)} conversations" + (f" ({left_out} without a user turn left out)" if left_out else "")
+          + f", {len(convs) - len(todo)} already in {out}; drafter {drafter}", file=sys.stderr)
     bar = _progress(len(todo), disabled=args.no_progress)
     out.parent.mkdir(parents=True, exist_ok=True)
     failed, truncated, tokens, t0 = 0, 0, 0, time.perf_counter()
