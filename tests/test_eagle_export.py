@@ -29,7 +29,8 @@ def _qwen2_config():
                        eos_token_id=0, bos_token_id=0, pad_token_id=0)
 
 
-def make_head(target: Path, out: Path, seed: int = 1, vocab: int | None = None, layers=LAYERS, key_prefix=None):
+def make_head(target: Path, out: Path, seed: int = 1, vocab: int | None = None, layers=LAYERS, key_prefix=None,
+              norm_before_residual: bool = False):
     """A random EagleHead for ``target`` (hidden = the target's, a d2t over DRAFT_VOCAB scattered
     target ids), saved with eagle.save_head; returns (folder, head)."""
     import torch
@@ -41,7 +42,7 @@ def make_head(target: Path, out: Path, seed: int = 1, vocab: int | None = None, 
     v = vocab or tc.vocab_size
     cfg = EagleConfig(hidden_size=tc.hidden_size, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=16, vocab_size=v, draft_vocab_size=DRAFT_VOCAB, target_hidden_size=tc.hidden_size,
-                      feature_layers=tuple(layers), rope_theta=10000.0)
+                      feature_layers=tuple(layers), rope_theta=10000.0, norm_before_residual=norm_before_residual)
     gen = torch.Generator().manual_seed(seed)
     head = EagleHead(cfg, torch.randn(v, tc.hidden_size, generator=gen) * 0.5)
     with torch.no_grad():
@@ -348,6 +349,47 @@ def test_layers_0_key_names_load(small_target, tmp_path):
     for k, t in head.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], t), k
     assert json.loads((head_dir / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+
+
+def _speculators_layout(folder: Path) -> None:
+    """Rewrite a saved head the way Red Hat's speculators publish them: the decoder layer's fields
+    nested in transformer_layer_config, layers.0.* weights, norm_before_residual implied."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    ids = cfg.pop("eagle_config")["eagle_aux_hidden_state_layer_ids"]
+    own = {k: cfg.pop(k) for k in ("draft_vocab_size", "target_hidden_size", "norm_before_residual") if k in cfg}
+    own.pop("norm_before_residual", None)  # the nested layout's default: true
+    (folder / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+                                                    "transformer_layer_config": cfg, **own,
+                                                    "eagle_aux_hidden_state_layer_ids": ids}))
+    state = load_file(str(folder / "model.safetensors"))
+    save_file({k.replace("midlayer.", "layers.0.", 1): t for k, t in state.items()}, str(folder / "model.safetensors"))
+
+
+def test_speculators_heads_with_norm_before_residual(small_target, tmp_path):
+    """A Red Hat speculators head (nested config, residual = hidden_norm(hidden)) loads with the
+    switch on and exports to graphs equal to its PyTorch step; the switch changes the output, so
+    a graph that ignored it would fail the comparison."""
+    from specdec_rt.export.eagle import load_head
+    from specdec_rt.export.eagle_graph import check_head_folder, compare_head, head_reference, write_head
+
+    head_dir, head = make_head(small_target, tmp_path / "head", norm_before_residual=True)
+    _speculators_layout(head_dir)
+    check_head_folder(head_dir, small_target)
+    loaded = load_head(head_dir, head.embed_tokens.weight, 3).eval()
+    assert loaded.cfg.norm_before_residual and loaded.cfg.feature_layers == LAYERS
+    assert loaded.cfg.draft_vocab_size == DRAFT_VOCAB
+    ref = head_reference(loaded)
+    write_head(loaded, tmp_path / "g", max_positions=256)
+    assert compare_head(str(tmp_path / "g/model.onnx"), str(tmp_path / "g/fc.onnx"), ref)["max_logit_error"] < 1e-4
+    loaded.cfg.norm_before_residual = False  # the same weights read the other way: other logits
+    assert not np.allclose(head_reference(loaded).hidden_out, ref.hidden_out, atol=1e-3)
+    cfg = json.loads((head_dir / "config.json").read_text())
+    for switch in ("norm_before_fc", "fc_norm"):
+        (head_dir / "config.json").write_text(json.dumps({**cfg, switch: True}))
+        with pytest.raises(ExportError, match=f"sets {switch}"):
+            check_head_folder(head_dir, small_target)
 
 
 def test_quantized_and_portable_head_graphs(small_target, tmp_path):

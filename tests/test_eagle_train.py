@@ -61,12 +61,15 @@ def test_target_forward_matches_target_features(target):
     assert torch.equal(et.target_argmax(model, final, chunk=7), logits.argmax(-1))
 
 
-def test_ttt_unroll_equals_stepwise_drafting(target):
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_ttt_unroll_equals_stepwise_drafting(target, norm_before_residual):
     """Step-j output of the unrolled training forward at row i == catch-up over rows 0..i-j with
-    the target's features, then j draft steps fed back through EagleHead.step with its KV cache."""
+    the target's features, then j draft steps fed back through EagleHead.step with its KV cache
+    (either residual: EAGLE's, or the speculators heads' normed one)."""
     _, model = target
     draft_ids = et.build_draft_vocab(np.arange(320)[::-1].astype(np.int64), 200, keep=[0])
     head = _random_head(model, draft_ids)
+    head.cfg.norm_before_residual = norm_before_residual
     rng = np.random.default_rng(3)
     s, steps = 14, 4
     feats = torch.from_numpy(rng.normal(size=(2, s, 3 * 64)).astype(np.float32)) * 3
@@ -250,6 +253,11 @@ def test_second_stage_on_fixed_windows(target, tmp_path):
     small = et.init_head(model, et.head_config(model, _cfg(), 64), np.arange(64), "random")
     with pytest.raises(et.ExportError, match="other shapes"):
         et.start_from(small, tmp_path / "stage1", 4)
+    first.cfg.norm_before_residual = True  # a speculators head: the next stage keeps its residual
+    save_head(first, tmp_path / "stage1-nbr")
+    head = et.init_head(model, et.head_config(model, _cfg(), 320), np.arange(320), "random")
+    et.start_from(head, tmp_path / "stage1-nbr", 4)
+    assert head.cfg.norm_before_residual and head.midlayer.cfg.norm_before_residual
     windows = np.stack([np.full(30, 7 + r) for r in range(5)]).astype(np.int32)
     src = et.StreamSource(model, _stream(), _cfg(), LAYERS, torch.arange(320), windows=windows)
     batch = src.next(np.random.default_rng(0))

@@ -58,6 +58,9 @@ class EagleConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
     hidden_act: str = "silu"
+    # the layer's residual is the normed hidden input (``hidden_norm(hidden)``), not the input:
+    # Red Hat's speculators heads (and vLLM's ``norm_before_residual``); EAGLE's own heads: False
+    norm_before_residual: bool = False
 
     def to_json(self) -> dict:
         """config.json in the published EAGLE-3 form; ``eagle_aux_hidden_state_layer_ids`` there
@@ -80,25 +83,35 @@ class EagleConfig:
             "hidden_act": self.hidden_act,
             "tie_word_embeddings": False,
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i + 1 for i in self.feature_layers]},
+            **({"norm_before_residual": True} if self.norm_before_residual else {}),
         }
 
     @classmethod
     def from_json(cls, d: dict, target_layers: int | None = None) -> "EagleConfig":
         """Read a published (or our) config.json; ``target_layers`` gives the default feature
-        layers when the file names none."""
-        if int(d.get("num_hidden_layers", 1)) != 1:
-            raise ExportError(f"EAGLE-3 heads with {d.get('num_hidden_layers')} decoder layers are not supported "
+        layers when the file names none. Two layouts: EAGLE's (the decoder layer's fields at the
+        top level) and Red Hat's speculators (them in ``transformer_layer_config``, the head's
+        own fields beside it; ``norm_before_residual`` then defaults to true, as vLLM reads it)."""
+        nested = isinstance(d.get("transformer_layer_config"), dict)
+        layer = {**d["transformer_layer_config"], **{k: d[k] for k in HEAD_FIELDS if k in d}} if nested else d
+        for switch in ("norm_before_fc", "fc_norm", "norm_output"):
+            if layer.get(switch):
+                raise ExportError(f"this EAGLE-3 head sets {switch} (an extra normalization of its inputs or "
+                                  "outputs), which is not supported: heads with norm_before_residual either way are")
+        if int(layer.get("num_hidden_layers", 1)) != 1:
+            raise ExportError(f"EAGLE-3 heads with {layer.get('num_hidden_layers')} decoder layers are not supported "
                               "(one layer, as published)")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ExportError(f"head activation {d.get('hidden_act')!r} is not supported (silu)")
-        rope = d.get("rope_scaling") or {}
+        if layer.get("hidden_act", "silu") != "silu":
+            raise ExportError(f"head activation {layer.get('hidden_act')!r} is not supported (silu)")
+        rope = layer.get("rope_scaling") or {}
         if rope and rope.get("rope_type", rope.get("type", "default")) != "default":
             raise ExportError(f"head rope scaling {rope!r} is not supported (default rope only)")
         try:
-            hidden = int(d["hidden_size"])
-            heads = int(d["num_attention_heads"])
-            ids = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-            if ids is not None:
+            hidden = int(layer["hidden_size"])
+            heads = int(layer["num_attention_heads"])
+            ids = layer.get("eagle_aux_hidden_state_layer_ids") or (layer.get("eagle_config") or {}).get(
+                "eagle_aux_hidden_state_layer_ids")
+            if ids:
                 layers = tuple(int(i) - 1 for i in ids)
             elif target_layers is not None:
                 layers = default_feature_layers(target_layers)
@@ -107,20 +120,26 @@ class EagleConfig:
                                   "(eagle_config.eagle_aux_hidden_state_layer_ids) and no target is given")
             return cls(
                 hidden_size=hidden,
-                intermediate_size=int(d["intermediate_size"]),
+                intermediate_size=int(layer["intermediate_size"]),
                 num_attention_heads=heads,
-                num_key_value_heads=int(d.get("num_key_value_heads", heads)),
-                head_dim=int(d.get("head_dim") or hidden // heads),
-                vocab_size=int(d["vocab_size"]),
-                draft_vocab_size=int(d.get("draft_vocab_size") or d["vocab_size"]),
-                target_hidden_size=int(d.get("target_hidden_size") or hidden),
+                num_key_value_heads=int(layer.get("num_key_value_heads", heads)),
+                head_dim=int(layer.get("head_dim") or hidden // heads),
+                vocab_size=int(layer["vocab_size"]),
+                draft_vocab_size=int(layer.get("draft_vocab_size") or layer["vocab_size"]),
+                target_hidden_size=int(layer.get("target_hidden_size") or hidden),
                 feature_layers=layers,
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-                max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+                rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(layer.get("rope_theta", (layer.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+                max_position_embeddings=int(layer.get("max_position_embeddings", 4096)),
+                norm_before_residual=bool(layer.get("norm_before_residual", nested)),
             )
         except KeyError as exc:
             raise ExportError(f"the head's config.json lacks {exc.args[0]!r}") from None
+
+
+# the head's own fields of a speculators config.json (the decoder layer's are nested)
+HEAD_FIELDS = ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "eagle_config",
+               "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
 class RMSNorm(nn.Module):
@@ -183,6 +202,11 @@ class EagleLayer(nn.Module):
         cos, sin = cos[:, None], sin[:, None]
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
+    def residual(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the attention output is added to: the hidden input, or (``norm_before_residual``)
+        its normed form."""
+        return self.hidden_norm(hidden) if self.cfg.norm_before_residual else hidden
+
     def finish(self, hidden: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                mask: torch.Tensor) -> torch.Tensor:
         """The layer's output rows: attention of ``q`` over ``keys``/``values`` ([B, nkv, T, d])
@@ -195,7 +219,7 @@ class EagleLayer(nn.Module):
         attn = torch.softmax(scores.float(), dim=-1).to(q.dtype) @ values
         b, _, s, _ = attn.shape
         attn = self.self_attn.o_proj(attn.transpose(1, 2).reshape(b, s, -1))
-        x = hidden + attn
+        x = self.residual(hidden) + attn
         m = self.mlp
         y = self.post_attention_layernorm(x)
         return x + m.down_proj(nn.functional.silu(m.gate_proj(y)) * m.up_proj(y))

@@ -76,7 +76,9 @@ def check_head_folder(folder, target_checkpoint=None) -> None:
         except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
             pass
     layers = layers if isinstance(layers, int) else None
-    if layers is None and not (data.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"):
+    named = data.get("eagle_aux_hidden_state_layer_ids") or (data.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    if layers is None and not named:
         return  # the defaults depend on the target's depth: checked once it is loaded
     cfg = EagleConfig.from_json(data, layers)  # a missing field or an unsupported switch: one line
     bad = [i for i in cfg.feature_layers if layers is not None and not 0 <= i < layers]
@@ -153,7 +155,7 @@ def head_weights(head, max_positions: int) -> tuple[ModelWeights, dict]:
                            final_norm_w=_vec(head.norm.weight), final_norm_b=None, layers=[lw],
                            rope_cos=cos[:, :half].numpy().copy(), rope_sin=sin[:, :half].numpy().copy())
     extra = {"input_norm": _vec(layer.input_layernorm.weight), "hidden_norm": _vec(layer.hidden_norm.weight),
-             "fc": _mm(head.fc)}
+             "fc": _mm(head.fc), "norm_before_residual": cfg.norm_before_residual}
     return weights, extra
 
 
@@ -210,8 +212,10 @@ class HeadGraphBuilder(GraphBuilder):
         g.op("Reshape", [k, kv_shape], outputs=["new_key.0"])
         g.op("Reshape", [v, kv_shape], outputs=["new_value.0"])
         attn = self._linear(self._attend(q, k, v, 0, None, "l0"), lw.o_w, None, "l0_o")
-        # residual: the hidden input (not the 2H attention input), as eagle.EagleLayer.finish
-        normed2, residual = self._norm("hidden_states", attn, lw.ln2_w, None, "l0_ln2")
+        # residual: the hidden input (not the 2H attention input), or its normed form with
+        # norm_before_residual, as eagle.EagleLayer.residual
+        residual_in = h_n if self.extra.get("norm_before_residual") else "hidden_states"
+        normed2, residual = self._norm(residual_in, attn, lw.ln2_w, None, "l0_ln2")
         mlp = self._mlp(normed2, lw, "l0")
         g.op("Add", [residual, mlp], outputs=["hidden_out"])
         # logits of the last ``logits_to_keep`` rows only (transformers' name): a catch-up over

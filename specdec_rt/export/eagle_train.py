@@ -558,6 +558,8 @@ def start_from(head: EagleHead, folder: str | Path, target_layers: int) -> None:
     from specdec_rt.export.eagle import load_head
 
     old = load_head(folder, head.embed_tokens.weight.detach(), target_layers)
+    # how the layer adds its residual belongs to the weights: a speculators head keeps its own
+    head.cfg.norm_before_residual = old.cfg.norm_before_residual
     if old.cfg != head.cfg or not torch.equal(old.d2t, head.d2t):
         raise ExportError(f"the head in '{folder}' has other shapes, feature layers or draft vocabulary than this run")
     head.load_state_dict(old.state_dict())
