@@ -390,6 +390,13 @@ def test_speculators_heads_with_norm_before_residual(small_target, tmp_path):
         (head_dir / "config.json").write_text(json.dumps({**cfg, switch: True}))
         with pytest.raises(ExportError, match=f"sets {switch}"):
             check_head_folder(head_dir, small_target)
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+    for key in ("rope_scaling", "rope_parameters"):  # scaled rope, either name: refused, not ignored
+        nested = {**cfg["transformer_layer_config"], key: llama3}
+        (head_dir / "config.json").write_text(json.dumps({**cfg, "transformer_layer_config": nested}))
+        with pytest.raises(ExportError, match=f"head {key} .*not supported"):
+            check_head_folder(head_dir, small_target)
 
 
 def test_quantized_and_portable_head_graphs(small_target, tmp_path):

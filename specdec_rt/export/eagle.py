@@ -103,9 +103,10 @@ class EagleConfig:
                               "(one layer, as published)")
         if layer.get("hidden_act", "silu") != "silu":
             raise ExportError(f"head activation {layer.get('hidden_act')!r} is not supported (silu)")
-        rope = layer.get("rope_scaling") or {}
-        if rope and rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ExportError(f"head rope scaling {rope!r} is not supported (default rope only)")
+        for key in ("rope_scaling", "rope_parameters"):  # transformers 4.x / 5.x names
+            rope = layer.get(key) or {}
+            if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default":
+                raise ExportError(f"head {key} {rope!r} is not supported (default rope only)")
         try:
             hidden = int(layer["hidden_size"])
             heads = int(layer["num_attention_heads"])
