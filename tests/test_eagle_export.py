@@ -390,13 +390,48 @@ def test_speculators_heads_with_norm_before_residual(small_target, tmp_path):
         (head_dir / "config.json").write_text(json.dumps({**cfg, switch: True}))
         with pytest.raises(ExportError, match=f"sets {switch}"):
             check_head_folder(head_dir, small_target)
-    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-              "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
-    for key in ("rope_scaling", "rope_parameters"):  # scaled rope, either name: refused, not ignored
-        nested = {**cfg["transformer_layer_config"], key: llama3}
+    for key in ("rope_scaling", "rope_parameters"):  # another scaled rope, either name: refused, not ignored
+        nested = {**cfg["transformer_layer_config"], key: {"rope_type": "yarn", "factor": 4.0}}
         (head_dir / "config.json").write_text(json.dumps({**cfg, "transformer_layer_config": nested}))
         with pytest.raises(ExportError, match=f"head {key} .*not supported"):
             check_head_folder(head_dir, small_target)
+    nested = {**cfg["transformer_layer_config"], "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
+    (head_dir / "config.json").write_text(json.dumps({**cfg, "transformer_layer_config": nested}))
+    with pytest.raises(ExportError, match="llama3 rope_scaling lacks low_freq_factor"):
+        check_head_folder(head_dir, small_target)
+
+
+@pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
+def test_heads_with_llama3_rope(small_target, tmp_path, key):
+    """A speculators head copying Llama 3.1's rope scaling: its frequencies are transformers'
+    "llama3" ones, and its graphs (whose rotary tables are precomputed) equal its PyTorch step."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from specdec_rt.export.eagle import load_head, rope_inv_freq
+    from specdec_rt.export.eagle_graph import compare_head, head_reference, write_head
+
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 64}
+    head_dir, head = make_head(small_target, tmp_path / "head", norm_before_residual=True)
+    _speculators_layout(head_dir)
+    cfg = json.loads((head_dir / "config.json").read_text())
+    layer = {**cfg["transformer_layer_config"], key: {**llama3, "rope_theta": 500000.0}, "rope_theta": 500000.0}
+    (head_dir / "config.json").write_text(json.dumps({**cfg, "transformer_layer_config": layer}))
+    loaded = load_head(head_dir, head.embed_tokens.weight, 3).eval()
+    assert loaded.cfg.rope_scaling == {k: float(v) for k, v in llama3.items() if k != "rope_type"}
+    hf = LlamaRotaryEmbedding(LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=256,
+                                          rope_parameters={**llama3, "rope_theta": 500000.0}))
+    ours = rope_inv_freq(16, 500000.0, loaded.cfg.rope_scaling)
+    torch.testing.assert_close(ours, hf.inv_freq.float(), rtol=1e-6, atol=0)
+    assert not torch.allclose(ours, rope_inv_freq(16, 500000.0))  # the scaling changes low frequencies
+    ref = head_reference(loaded)
+    write_head(loaded, tmp_path / "g", max_positions=256)
+    assert compare_head(str(tmp_path / "g/model.onnx"), str(tmp_path / "g/fc.onnx"), ref)["max_logit_error"] < 1e-4
+    from specdec_rt.export.eagle import EagleConfig
+
+    assert EagleConfig.from_json(loaded.cfg.to_json(), 3) == loaded.cfg  # our config.json keeps it
 
 
 def test_quantized_and_portable_head_graphs(small_target, tmp_path):

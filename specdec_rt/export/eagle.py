@@ -20,6 +20,7 @@ elsewhere loads here, and a head saved here loads there.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +62,10 @@ class EagleConfig:
     # the layer's residual is the normed hidden input (``hidden_norm(hidden)``), not the input:
     # Red Hat's speculators heads (and vLLM's ``norm_before_residual``); EAGLE's own heads: False
     norm_before_residual: bool = False
+    # Llama 3.1's frequency-dependent rope scaling (``{"factor", "low_freq_factor",
+    # "high_freq_factor", "original_max_position_embeddings"}``), which speculators heads copy
+    # from their Llama-3.1 verifier; None: plain rope
+    rope_scaling: dict | None = None
 
     def to_json(self) -> dict:
         """config.json in the published EAGLE-3 form; ``eagle_aux_hidden_state_layer_ids`` there
@@ -84,6 +89,7 @@ class EagleConfig:
             "tie_word_embeddings": False,
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i + 1 for i in self.feature_layers]},
             **({"norm_before_residual": True} if self.norm_before_residual else {}),
+            **({"rope_scaling": {"rope_type": "llama3", **self.rope_scaling}} if self.rope_scaling else {}),
         }
 
     @classmethod
@@ -103,10 +109,17 @@ class EagleConfig:
                               "(one layer, as published)")
         if layer.get("hidden_act", "silu") != "silu":
             raise ExportError(f"head activation {layer.get('hidden_act')!r} is not supported (silu)")
+        scaling = None
         for key in ("rope_scaling", "rope_parameters"):  # transformers 4.x / 5.x names
             rope = layer.get(key) or {}
-            if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default":
-                raise ExportError(f"head {key} {rope!r} is not supported (default rope only)")
+            kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+            if kind == "llama3":
+                missing = [k for k in LLAMA3_ROPE_KEYS if k not in rope]
+                if missing:
+                    raise ExportError(f"the head's llama3 {key} lacks {', '.join(missing)}")
+                scaling = {k: float(rope[k]) for k in LLAMA3_ROPE_KEYS}
+            elif kind != "default":
+                raise ExportError(f"head {key} {rope!r} is not supported (default or llama3 rope)")
         try:
             hidden = int(layer["hidden_size"])
             heads = int(layer["num_attention_heads"])
@@ -133,10 +146,13 @@ class EagleConfig:
                 rope_theta=float(layer.get("rope_theta", (layer.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
                 max_position_embeddings=int(layer.get("max_position_embeddings", 4096)),
                 norm_before_residual=bool(layer.get("norm_before_residual", nested)),
+                rope_scaling=scaling,
             )
         except KeyError as exc:
             raise ExportError(f"the head's config.json lacks {exc.args[0]!r}") from None
 
+
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 # the head's own fields of a speculators config.json (the decoder layer's are nested)
 HEAD_FIELDS = ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "eagle_config",
@@ -154,9 +170,27 @@ class RMSNorm(nn.Module):
         return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
-def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None, device=None) -> torch.Tensor:
+    """Rotary frequencies; with ``scaling`` Llama 3.1's: wavelengths beyond the original context
+    / low_freq_factor are stretched by ``factor``, those below it / high_freq_factor kept, and
+    the band between blended smoothly (Meta's reference, transformers' "llama3")."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    if not scaling:
+        return inv
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    stretched = torch.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    blended = (1 - smooth) * stretched / factor + smooth * stretched
+    between = (wavelen >= old / high) & (wavelen <= old / low)
+    return torch.where(between, blended, stretched)
+
+
+def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float,
+                  scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin ``[..., head_dim]`` for integer ``positions`` (rotate-half layout, as Llama)."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    inv = rope_inv_freq(head_dim, theta, scaling, positions.device)
     freqs = positions.to(torch.float32)[..., None] * inv
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
@@ -199,7 +233,7 @@ class EagleLayer(nn.Module):
         q = a.q_proj(x).view(b, s, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
         k = a.k_proj(x).view(b, s, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
         v = a.v_proj(x).view(b, s, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
-        cos, sin = rotary_tables(positions, cfg.head_dim, cfg.rope_theta)
+        cos, sin = rotary_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         cos, sin = cos[:, None], sin[:, None]
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 

@@ -148,7 +148,7 @@ def head_weights(head, max_positions: int) -> tuple[ModelWeights, dict]:
                       ln2_w=_vec(layer.post_attention_layernorm.weight), ln2_b=None,
                       up_w=_mm(m.up_proj), up_b=None, down_w=_mm(m.down_proj), down_b=None, gate_w=_mm(m.gate_proj))
     # the same elementwise float32 arithmetic as eagle.rotary_tables at each position (first half)
-    cos, sin = rotary_tables(torch.arange(max_positions), cfg.head_dim, cfg.rope_theta)
+    cos, sin = rotary_tables(torch.arange(max_positions), cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     half = cfg.head_dim // 2
     weights = ModelWeights(embed=VocabMatrix(head.embed_tokens.weight.detach()),
                            lm_head=VocabMatrix(head.lm_head.weight.detach()), lm_head_b=None,
