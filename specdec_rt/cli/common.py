@@ -3,9 +3,23 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable
+import json
+from typing import Callable, Iterator
 
+from specdec_rt.errors import GenerationInputError
 from specdec_rt.runtime.drafter_names import DRAFTERS
+
+
+def parse_jsonl(text: str, where: Callable[[int], str]) -> Iterator[tuple[int, object]]:
+    """(line number, record) of every non-blank line of JSONL ``text``; a line that is not JSON is
+    a GenerationInputError placed by ``where(line)`` (specdec-run's batch files, specdec-head-data)."""
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield n, json.loads(line)
+        except ValueError as exc:
+            raise GenerationInputError(f"{where(n)}: not valid JSON ({exc})") from None
 
 
 def bounded_int(low: int, high: int | None = None):

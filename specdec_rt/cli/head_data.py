@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from specdec_rt.cli.common import draft_tokens_arg, fail, positive_int
+from specdec_rt.cli.common import draft_tokens_arg, fail, parse_jsonl, positive_int
 from specdec_rt.errors import GenerationInputError
 from specdec_rt.runtime.drafter_names import DRAFTERS
 
@@ -93,13 +93,7 @@ def _records(path: Path) -> Iterator[tuple[str, object]]:
         for i, rec in enumerate(items):
             yield f"[{i}]", rec
         return
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except ValueError as exc:
-            raise GenerationInputError(f"{path}:{n}: not valid JSON ({exc})") from None
+    for n, rec in parse_jsonl(text, lambda n: f"{path}:{n}"):
         yield f":{n}", rec
 
 
@@ -165,9 +159,9 @@ def respond(gen, convs: list[Conversation], seeds: Sequence[int] | None = None,
     batch; ``kwargs`` go to ``generate_batch``); per conversation: (it, its output record or
     None, the error that stopped it). A conversation whose later turn fails (its history no
     longer fits the context) keeps the turns answered before it, with ``"truncated"`` saying
-    why; one whose first turn fails has no record. ``seeds``: per conversation, sampled turn t draws with
-    seed + t (with a fixed ``num_draft_tokens``, the same draws whatever it is batched with;
-    "auto" chooses K per batch, so its draws differ, from the same distribution)."""
+    why; one whose first turn fails has no record. ``seeds``: per conversation, sampled turn t
+    draws with seed + t (with a fixed ``num_draft_tokens``, the same draws whatever it is batched
+    with; "auto" chooses K per batch, so its draws differ, from the same distribution)."""
     chat = gen.chat_template is not None
     if not chat and any(len(c.turns) > 1 or c.system for c in convs):
         raise GenerationInputError("multi-turn conversations and system prompts need a bundle with a chat "
@@ -176,7 +170,6 @@ def respond(gen, convs: list[Conversation], seeds: Sequence[int] | None = None,
     reasons: list[list[str]] = [[] for _ in convs]
     new_tokens = [0] * len(convs)
     errors: list[str | None] = [None] * len(convs)
-    replies: list[str] = [""] * len(convs)
     for turn in range(max(len(c.turns) for c in convs)):
         live = [i for i, c in enumerate(convs) if turn < len(c.turns) and errors[i] is None]
         if not live:
@@ -196,14 +189,14 @@ def respond(gen, convs: list[Conversation], seeds: Sequence[int] | None = None,
                 history[i].pop()  # the turn that could not be answered
                 continue
             history[i].append({"role": "assistant", "content": res.text})
-            replies[i] = res.text
             reasons[i].append(res.finish_reason)
             new_tokens[i] += len(res.token_ids)
     for i, c in enumerate(convs):
         if not reasons[i]:
             yield c, None, errors[i]
             continue
-        rec = ({"id": c.id, "messages": history[i]} if chat else {"id": c.id, "text": c.turns[0] + replies[i]})
+        rec = ({"id": c.id, "messages": history[i]} if chat
+               else {"id": c.id, "text": c.turns[0] + history[i][-1]["content"]})  # one turn: its answer last
         rec.update(finish_reasons=reasons[i], new_tokens=new_tokens[i])
         if errors[i] is not None:
             rec["truncated"] = f"after turn {len(reasons[i])} of {len(c.turns)}: {errors[i]}"
@@ -236,7 +229,8 @@ def _progress(total: int, disabled: bool):
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="specdec-head-data", description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", required=True, help="the target's bundle (specdec-export)")
-    ap.add_argument("--prompts", required=True, nargs="+", help="JSONL files of conversations, or .json files holding a list of them (ShareGPT dumps)")
+    ap.add_argument("--prompts", required=True, nargs="+",
+                    help="JSONL files of conversations, or .json files holding a list of them (ShareGPT dumps)")
     ap.add_argument("--out", required=True, help="JSONL file to write (appended to when it exists: a resumed run)")
     ap.add_argument("--max-new-tokens", type=positive_int, default=512, help="per answer (default 512)")
     ap.add_argument("--temperature", type=float, default=0.0,

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from specdec_rt.cli.common import add_generation_args, fail, generation_kwargs, positive_int
+from specdec_rt.cli.common import add_generation_args, fail, generation_kwargs, parse_jsonl, positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,13 +111,7 @@ def read_batch_file(path: str) -> list:
     from specdec_rt.errors import GenerationInputError
 
     rows = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except ValueError as exc:
-            raise GenerationInputError(f"{path} line {n}: not valid JSON ({exc})") from None
+    for n, item in parse_jsonl(Path(path).read_text(), lambda n: f"{path} line {n}"):
         if not isinstance(item, (str, dict)):
             raise GenerationInputError(f"{path} line {n}: expected an object with a \"prompt\" or a string")
         rows.append(item)
