@@ -7,7 +7,14 @@
    nor ``getattr`` / ``setattr`` / ``hasattr`` with a private name, nor another object's
    ``__dict__``; the few private names of third-party libraries that have no public
    equivalent are listed in ``THIRD_PARTY_PRIVATE`` with the reason;
-3. runtime modules stay small (at most ``--max-lines`` lines, default 400).
+3. runtime modules stay small (at most ``--max-lines`` lines, default 400);
+4. imports run one way (issue 40): inside the runtime down ``RUNTIME_LAYERS`` (api -> loop ->
+   drafters -> policies -> engines -> core; a module may import its own sub-package and those
+   below it), and between the package's halves as ``MAY_IMPORT`` says (the runtime never imports
+   the export side, which needs torch);
+5. no folder of the package holds more than ``MAX_MODULES`` modules;
+6. every ``specdec_rt`` import names a module that exists (the flat runtime paths kept for users,
+   e.g. ``specdec_rt.runtime.generator``, are not for the package's own code).
 
 Usage: python scripts/check_structure.py [--max-lines N] [--report]; exit status 1 on a violation
 (tests/test_structure.py runs it). ``--report`` prints every finding without failing.
@@ -21,6 +28,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "specdec_rt"
+MAX_MODULES = 15
+# the runtime's sub-packages, top to bottom: a module imports its own and those after it
+RUNTIME_LAYERS = ("api", "loop", "drafters", "policies", "engines", "core")
+# what each half of the package may import besides itself (the rest, cli / serving / bench /
+# serve_ray, sit above both and may import anything without a circle)
+MAY_IMPORT = {
+    "specdec_rt.runtime": ("specdec_rt.errors",),
+    "specdec_rt.export": ("specdec_rt.runtime", "specdec_rt.errors"),
+    "specdec_rt.errors": (),
+}
 
 # private attributes of other libraries the package must use (no public API does the job)
 THIRD_PARTY_PRIVATE = {
@@ -44,8 +61,9 @@ def modules() -> dict[str, Path]:
     return {module_name(p): p for p in sorted((ROOT / PACKAGE).rglob("*.py"))}
 
 
-def imported(tree: ast.AST, name: str, known: dict[str, Path]) -> set[str]:
-    """specdec_rt modules ``name`` imports (``from pkg import mod`` counts as importing mod)."""
+def import_targets(tree: ast.AST, name: str, known: dict[str, Path]) -> set[str]:
+    """Every specdec_rt module path ``name``'s imports name (``from pkg import mod`` names mod;
+    ``from mod import attr`` names mod), whether or not such a module exists."""
     out: set[str] = set()
     pkg = name if known[name].name == "__init__.py" else name.rsplit(".", 1)[0]
     for node in ast.walk(tree):
@@ -61,7 +79,47 @@ def imported(tree: ast.AST, name: str, known: dict[str, Path]) -> set[str]:
             for a in node.names:
                 sub = f"{base}.{a.name}"
                 out.add(sub if sub in known else base)
-    return {m for m in out if m in known and m != name}
+    return out
+
+
+def imported(tree: ast.AST, name: str, known: dict[str, Path]) -> set[str]:
+    """specdec_rt modules ``name`` imports (``from pkg import mod`` counts as importing mod)."""
+    return {m for m in import_targets(tree, name, known) if m in known and m != name}
+
+
+def layer_of(module: str) -> tuple[str, int] | None:
+    """(sub-package, rank) of a runtime module inside a sub-package; None elsewhere."""
+    parts = module.split(".")
+    if parts[:2] == [PACKAGE, "runtime"] and len(parts) > 3 and parts[2] in RUNTIME_LAYERS:
+        return parts[2], RUNTIME_LAYERS.index(parts[2])
+    return None
+
+
+def half_of(module: str) -> str | None:
+    return next((h for h in MAY_IMPORT if module == h or module.startswith(h + ".")), None)
+
+
+def against_layers(graph: dict[str, set[str]]) -> list[str]:
+    """Imports that run up the runtime's layers or out of a half of the package."""
+    found = []
+    for m, deps in sorted(graph.items()):
+        for d in sorted(deps):
+            lm, ld = layer_of(m), layer_of(d)
+            if lm and ld and ld[1] < lm[1]:
+                found.append(f"{m} imports {d}: runtime.{lm[0]} may not import runtime.{ld[0]}")
+            half = half_of(m)
+            if half and half_of(d) != half and not any(d == a or d.startswith(a + ".") for a in MAY_IMPORT[half]):
+                found.append(f"{m} imports {d}: {half} may import only {', '.join(MAY_IMPORT[half]) or 'itself'}")
+    return found
+
+
+def crowded_folders(known: dict[str, Path], limit: int = MAX_MODULES) -> list[str]:
+    count: dict[Path, int] = {}
+    for path in known.values():
+        if path.name != "__init__.py":
+            count[path.parent] = count.get(path.parent, 0) + 1
+    return [f"{folder.relative_to(ROOT)}: {n} modules (> {limit})" for folder, n in sorted(count.items())
+            if n > limit]
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -142,8 +200,11 @@ def check(max_lines: int) -> dict[str, list[str]]:
     # a package's __init__ re-exporting its modules is not a circle of theirs
     graph_no_init = {m: {d for d in deps if known[d].name != "__init__.py"} for m, deps in graph.items()}
     found: dict[str, list[str]] = {"circles": [" <-> ".join(c) for c in circles(graph_no_init)],
-                                   "private": [], "size": []}
+                                   "layers": against_layers(graph), "folders": crowded_folders(known),
+                                   "unknown": [], "private": [], "size": []}
     for m, t in trees.items():
+        found["unknown"] += [f"{m} imports {d}, which is no module" for d in sorted(import_targets(t, m, known))
+                             if d not in known]
         found["private"] += private_reaches(t, m)
         if m.startswith(f"{PACKAGE}.runtime."):
             n = len(known[m].read_text().splitlines())
@@ -164,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{kind}: {item}")
             bad += 1
     if not bad:
-        print("structure: no import circles, no private reaches, runtime modules within size")
+        print("structure: no import circles, imports down the layers, no private reaches, "
+              f"folders within {MAX_MODULES} modules, runtime modules within size")
     return 0 if args.report or not bad else 1
 
 

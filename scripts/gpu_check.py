@@ -78,8 +78,8 @@ def backends(bundle: Path, own_bundle: bool, build: bool) -> list[tuple[str, dic
 
 
 def _native(bundle: Path, own_bundle: bool, build: bool) -> tuple[dict | None, str]:
-    from specdec_rt.runtime.providers import BackendUnavailableError
-    from specdec_rt.runtime.trt_engine import Cuda, import_tensorrt
+    from specdec_rt.runtime.engines.providers import BackendUnavailableError
+    from specdec_rt.runtime.engines.trt import Cuda, import_tensorrt
 
     try:
         trt = import_tensorrt()
@@ -101,7 +101,7 @@ def _native(bundle: Path, own_bundle: bool, build: bool) -> tuple[dict | None, s
 def check_one(bundle: Path, kwargs: dict, prompts: list[str], max_new: int, ref: dict | None,
               threads: int | None) -> dict:
     import specdec_rt
-    from specdec_rt.runtime.masks import causal_mask
+    from specdec_rt.runtime.core.masks import causal_mask
 
     gen = specdec_rt.load(bundle, threads=threads, **kwargs)
     ids = [gen.tokenizer.encode(p) for p in prompts]

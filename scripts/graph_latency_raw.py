@@ -21,7 +21,7 @@ import onnxruntime as ort
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specdec_rt.bench.graphs import _feeds_for_genai  # noqa: E402
-from specdec_rt.runtime.sessions import session_options  # noqa: E402
+from specdec_rt.runtime.engines.sessions import session_options  # noqa: E402
 
 
 def _feeds(sess: ort.InferenceSession, path: Path, s: int, p: int) -> dict:

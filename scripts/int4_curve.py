@@ -40,11 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
-    from specdec_rt.runtime.bundle import load_bundle
-    from specdec_rt.runtime.engine import OrtEngine
-    from specdec_rt.runtime.probes import probe_row_invariance
-    from specdec_rt.runtime.sessions import enable_shared_thread_pool
-    from specdec_rt.runtime.cost_model import measure_engine
+    from specdec_rt.runtime.core.bundle import load_bundle
+    from specdec_rt.runtime.engines.ort import OrtEngine
+    from specdec_rt.runtime.engines.probes import probe_row_invariance
+    from specdec_rt.runtime.engines.sessions import enable_shared_thread_pool
+    from specdec_rt.runtime.policies.cost_model import measure_engine
 
     enable_shared_thread_pool()
     bundle = load_bundle(args.bundle)

@@ -25,8 +25,8 @@ import numpy as np
 import onnxruntime as ort
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from specdec_rt.runtime.bundle import load_bundle  # noqa: E402
-from specdec_rt.runtime.masks import causal_mask  # noqa: E402
+from specdec_rt.runtime.core.bundle import load_bundle  # noqa: E402
+from specdec_rt.runtime.core.masks import causal_mask  # noqa: E402
 
 LAYER = re.compile(r"^l(\d+)_|layers?[._/](\d+)")  # our node names: l{N}_...; HF-style: layers.N
 WARMUP = 2

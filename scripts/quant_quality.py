@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     import specdec_rt
-    from specdec_rt.runtime.masks import causal_mask
+    from specdec_rt.runtime.core.masks import causal_mask
 
     picked, seen = [], set()
     for line in open(args.questions):

@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     import specdec_rt
-    from specdec_rt.runtime.cost_model import measure_engine
+    from specdec_rt.runtime.policies.cost_model import measure_engine
 
     sizes = [int(s) for s in args.sizes.split(",")]
     gens = {p: specdec_rt.load(p, threads=args.threads, shared_thread_pool=True, prefix_cache=False) for p in args.bundles}

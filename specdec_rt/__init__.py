@@ -11,7 +11,7 @@ __all__ = ["load", "Generator", "GenerationResult", "GenerationStats", "SuffixPo
 
 def __getattr__(name: str):
     if name in __all__:
-        from specdec_rt.runtime import generator
+        from specdec_rt.runtime.api import generator
 
         return getattr(generator, name)
     raise AttributeError(f"module 'specdec_rt' has no attribute {name!r}")

@@ -3,8 +3,9 @@
 This module imports nothing from ``specdec_rt.runtime`` or ``specdec_rt.export`` (nor anything
 outside the standard library), so the runtime can name export errors and the command-line tools
 can catch every expected error without the runtime ever importing the export package (which
-needs torch). The old import paths (``specdec_rt.runtime.bundle.BundleError``,
-``specdec_rt.export.pipeline.ExportError``, ...) re-export these same classes.
+needs torch). The modules that raise them (``specdec_rt.runtime.core.bundle.BundleError``, under
+its flat path ``specdec_rt.runtime.bundle.BundleError`` too, ``specdec_rt.export.pipeline.ExportError``,
+...) re-export these same classes.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Scale-out on Ray Serve: N replicas of the same ASGI app behind Ray's HTTP proxy (``[ray]`` extra).
 
-Each replica is a process with its own :class:`~specdec_rt.runtime.generator.Generator` (its own
+Each replica is a process with its own :class:`~specdec_rt.runtime.api.generator.Generator` (its own
 KV cache, its own queue) running :func:`specdec_rt.serving.create_app`, so the routes, request
 fields, errors and streaming are those of ``specdec-serve``; Ray's proxy spreads requests over the
 replicas and streams the answers back.
@@ -27,7 +27,7 @@ from typing import Any
 def _build_asgi(settings: dict[str, Any]):
     """Run in each replica: load the bundle and build the app."""
     import specdec_rt
-    from specdec_rt.runtime.sessions import enable_shared_thread_pool
+    from specdec_rt.runtime.engines.sessions import enable_shared_thread_pool
     from specdec_rt.serving.app import create_app
     from specdec_rt.serving.cli import limit_malloc_arenas
 

@@ -7,10 +7,10 @@ import shutil
 import pytest
 
 import specdec_rt
-from specdec_rt.runtime.bundle import BundleError, external_data_locations, sha256_file
 from specdec_rt.errors import ContextOverflowError
-from specdec_rt.runtime.generator import GenerationInputError
-from specdec_rt.runtime.sampling import SamplingParamsError
+from specdec_rt.runtime.api.generator import GenerationInputError
+from specdec_rt.runtime.core.bundle import BundleError, external_data_locations, sha256_file
+from specdec_rt.runtime.core.sampling import SamplingParamsError
 
 from helpers import RUNTIME_FORBIDDEN, assert_runs_without
 
@@ -153,7 +153,7 @@ def test_unknown_provider(tiny_pair):
 def test_missing_gpu_backend_names_what_to_install(tiny_pair):
     import onnxruntime as ort
 
-    from specdec_rt.runtime.providers import BackendUnavailableError
+    from specdec_rt.runtime.engines.providers import BackendUnavailableError
 
     if "CUDAExecutionProvider" in ort.get_available_providers():
         pytest.skip("CUDA is present here")

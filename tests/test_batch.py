@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import specdec_rt
-from specdec_rt.runtime.masks import causal_mask
-from specdec_rt.runtime.generator import GenerationInputError
+from specdec_rt.runtime.api.generator import GenerationInputError
+from specdec_rt.runtime.core.masks import causal_mask
 
 # different lengths, so rows sit at different cache positions throughout
 PROMPTS = [[5, 17, 42, 99, 3], [200, 201, 202, 7, 7, 7, 9, 310], list(range(1, 13)), [77, 78],
@@ -51,7 +51,7 @@ def test_forward_rows_equals_each_sequence_alone_bit_for_bit(tiny_gen):
 
 
 def test_load_probes_batch_invariance_and_falls_back_when_it_fails(tiny_pair, monkeypatch):
-    from specdec_rt.runtime import engine as engine_mod
+    from specdec_rt.runtime.engines import ort as engine_mod
 
     gen = specdec_rt.load(tiny_pair["bundle"], threads=1, max_batch=4)
     assert gen.target.batch_calls  # measured: batched rows are bit-identical here
@@ -266,8 +266,8 @@ def test_max_batch_on_load(tiny_pair):
 def test_policy_prefers_shorter_drafts_for_wide_batches():
     """Once verification cost grows with B x S, the same acceptance estimates give a shorter K for
     a wide batch than for one sequence."""
-    from specdec_rt.runtime.cost_model import CostModel
-    from specdec_rt.runtime.policy import AdaptivePolicy
+    from specdec_rt.runtime.policies.adaptive import AdaptivePolicy
+    from specdec_rt.runtime.policies.cost_model import CostModel
 
     one = [1.0 + 0.03 * s for s in range(16)]  # one sequence: weight-bound, extra rows cheap
     eight = [2.0 + 0.8 * s for s in range(16)]  # eight sequences: compute-bound
@@ -322,7 +322,7 @@ def test_tree_batches_equal_single_trees_and_target_only(tiny_gen, k):
     """speculation="tree" in generate_batch: every row drafts its own tree on its own draft
     sequence, all rows verify in one target call (per-row tree masks), and each row's greedy
     output is target-only's; rows join and leave (batch of 3, 6 prompts)."""
-    from specdec_rt.runtime.tree import TreeShape
+    from specdec_rt.runtime.loop.tree_step import TreeShape
 
     prompts = PROMPTS[:6]
     base = [_solo(tiny_gen, p, max_new_tokens=20, drafter=None, ignore_eos=True) for p in prompts]

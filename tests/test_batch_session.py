@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from specdec_rt.errors import GenerationInputError
-from specdec_rt.runtime.batch_session import BatchSession
-from specdec_rt.runtime.requests import RowRequest, SpeculationConfig
+from specdec_rt.runtime.loop.batch_session import BatchSession
+from specdec_rt.runtime.loop.requests import RowRequest, SpeculationConfig
 
 PROMPTS = [[5, 17, 42, 99, 3], [200, 201, 202, 7, 7, 7, 9, 310], list(range(1, 13)), [77, 78]]
 

@@ -11,8 +11,8 @@ import pytest
 from chat_templates import CHATML, MISC
 from helpers import RUNTIME_FORBIDDEN, assert_runs_without, make_chat_checkpoint, make_chat_tokenizer
 from specdec_rt.errors import BundleError, ChatTemplateError
-from specdec_rt.runtime.chat import ChatTemplate
-from specdec_rt.runtime.tokenizer import TextTokenizer
+from specdec_rt.runtime.api.chat import ChatTemplate
+from specdec_rt.runtime.core.tokenizer import TextTokenizer
 
 MULTI_TURN = [
     {"role": "user", "content": "Write a function that adds two numbers."},
@@ -208,7 +208,7 @@ def test_manifest_records_chat_assets(chat_bundles):
 
 def test_named_templates_in_a_bundle(tmp_path):
     from specdec_rt.export.pipeline import ExportOptions, export_pair
-    from specdec_rt.runtime.bundle import load_bundle
+    from specdec_rt.runtime.core.bundle import load_bundle
 
     ckpt = make_chat_checkpoint(tmp_path / "ckpt", "named")
     export_pair(ckpt, None, tmp_path / "b", ExportOptions(progress=False, validate=False))
@@ -241,7 +241,7 @@ def test_chat_equals_transformers_greedy(chat_bundles, chatml_gen):
 
 
 def test_chat_stream_and_history(chatml_gen):
-    from specdec_rt.runtime.generator import GenerationResult, GenerationStats
+    from specdec_rt.runtime.api.generator import GenerationResult, GenerationStats
 
     res = GenerationResult("", [], GenerationStats())
     pieces = list(chatml_gen.chat_stream(MULTI_TURN, max_new_tokens=16, result=res, ignore_eos=True))
@@ -351,7 +351,7 @@ def test_sampling_config_is_the_default(chat_bundles):
     ({"do_sample": True, "temperature": None, "top_k": None}, {}, (1.0, 50, 1.0)),
 ])
 def test_sampling_resolution(config, args, want):
-    from specdec_rt.runtime.gen_config import GenerationDefaults
+    from specdec_rt.runtime.core.gen_config import GenerationDefaults
 
     assert GenerationDefaults.from_config(config).resolve(**args) == want
 
@@ -360,7 +360,7 @@ def test_resolution_follows_transformers_generation_config():
     """Where our API and transformers' agree in meaning, the resolved values are transformers'."""
     from transformers import GenerationConfig
 
-    from specdec_rt.runtime.gen_config import GenerationDefaults
+    from specdec_rt.runtime.core.gen_config import GenerationDefaults
 
     for cfg in ({"do_sample": True, "temperature": 0.6, "top_p": 0.9}, {"do_sample": True, "top_k": 20},
                 {"do_sample": True}):
@@ -371,7 +371,7 @@ def test_resolution_follows_transformers_generation_config():
 
 def test_config_errors_and_ignored_fields():
     from specdec_rt.errors import SamplingParamsError
-    from specdec_rt.runtime.gen_config import GenerationDefaults
+    from specdec_rt.runtime.core.gen_config import GenerationDefaults
 
     with pytest.raises(SamplingParamsError, match="generation_config.json"):
         GenerationDefaults.from_config({"do_sample": True, "temperature": 0.0}).resolve()

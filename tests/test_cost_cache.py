@@ -16,7 +16,7 @@ def cache(tmp_path, monkeypatch):
 
 def test_second_generator_reads_the_measured_cost_model(tiny_pair, cache, monkeypatch):
     import specdec_rt
-    from specdec_rt.runtime import policy_store
+    from specdec_rt.runtime.loop import policy_store
 
     prompt = [5, 6, 7, 8]
     first = specdec_rt.load(tiny_pair["bundle"], threads=1)
@@ -68,7 +68,7 @@ def test_off_switch(tiny_pair, tmp_path, monkeypatch):
 def test_prefix_probe_verdict_is_read_back_per_machine_setup(tiny_pair, cache, monkeypatch):
     """The prefix cache's probe (seconds on a 1.5B target) runs once per bundle and setup."""
     import specdec_rt
-    from specdec_rt.runtime import prefix_cache
+    from specdec_rt.runtime.engines import prefix_cache
 
     first = specdec_rt.load(tiny_pair["bundle"], threads=1)
     probes = list((cache.parent / "probes").glob("*.json"))

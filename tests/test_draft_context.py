@@ -28,7 +28,7 @@ def test_output_identical_with_a_cut_draft_history(gens):
 def test_the_draft_runs_at_most_its_context_to_catch_up(gens, tiny_pair):
     """The first proposal after a 40-token prompt runs 8 tokens through the draft, not 40; later
     proposals continue from there (the draft's cache holds its own positions)."""
-    from specdec_rt.runtime.drafters import ModelDrafter
+    from specdec_rt.runtime.drafters.base import ModelDrafter
 
     gen = gens[8]
     d = ModelDrafter(gen.draft_engine, gen.vocab_size, context=8)
@@ -58,10 +58,10 @@ def test_a_draft_re_entering_after_a_stretch_without_it_resyncs_on_a_short_windo
     restarts on its last ``resync`` tokens, not ``context``: a probe must be cheap. The first
     proposal of a sequence still gets ``context``; both count as a long catch-up (the policies
     do not learn step costs from them)."""
-    from specdec_rt.runtime.drafters import ModelDrafter
-    from specdec_rt.runtime.sampling import SamplingParams
-    from specdec_rt.runtime.speculative import LoopConfig, Row
-    from specdec_rt.runtime.stats import GenerationStats
+    from specdec_rt.runtime.core.sampling import SamplingParams
+    from specdec_rt.runtime.core.stats import GenerationStats
+    from specdec_rt.runtime.drafters.base import ModelDrafter
+    from specdec_rt.runtime.loop.speculative import LoopConfig, Row
 
     gen = gens[None]
     d = ModelDrafter(gen.draft_engine, gen.vocab_size, context=16, resync=4)

@@ -32,8 +32,8 @@ def _export_draft(ckpt: Path, out: Path, fused: bool):
 
 
 def _engine(root: Path, info: dict):
-    from specdec_rt.runtime.bundle import ModelInfo
-    from specdec_rt.runtime.engine import OrtEngine
+    from specdec_rt.runtime.core.bundle import ModelInfo
+    from specdec_rt.runtime.engines.ort import OrtEngine
 
     return OrtEngine(root / info["graph"], ModelInfo.from_dict("draft", info), max_len=64, threads=1)
 
@@ -51,7 +51,7 @@ def _greedy_drafts(engine, prompt: list[int]) -> list[int]:
 
 def _tree_argmax(engine, prompt: list[int]) -> list[int]:
     """Argmax of every node of a 5-node tree (root, two children, a grandchild on each) after the prompt."""
-    from specdec_rt.runtime.masks import NEG_INF
+    from specdec_rt.runtime.core.masks import NEG_INF
 
     engine.reset()
     engine.extend(prompt)
@@ -99,7 +99,7 @@ def test_fused_draft_validates_and_drafts_like_the_plain_one(tmp_path, name):
         e_fused.extend(prompt)
         chain = _greedy_drafts(e_plain, prompt)[:5]
         p = e_fused.length
-        from specdec_rt.runtime.masks import causal_mask
+        from specdec_rt.runtime.core.masks import causal_mask
 
         pos = np.arange(p, p + 5)
         rows = e_fused.forward(np.array(chain), pos, causal_mask(p, pos))
@@ -151,7 +151,7 @@ def test_fused_draft_batch_is_exact(tiny_pair):
 def test_old_onnxruntime_is_refused(tiny_pair, monkeypatch):
     import specdec_rt
     from specdec_rt.errors import BackendUnavailableError
-    from specdec_rt.runtime import engine
+    from specdec_rt.runtime.engines import ort as engine
 
     monkeypatch.setattr(engine, "_ort_version", lambda: (1, 22))
     with pytest.raises(BackendUnavailableError, match="--draft-plain-attention"):
@@ -164,8 +164,8 @@ def test_windowed_host_path_matches_session_run(tiny_pair):
     the same argmax, the same K/V in the cache, across window boundaries, several sequences of a
     batched cache (with a restride in between) and tree masks."""
     import specdec_rt
-    from specdec_rt.runtime.masks import causal_mask
-    from specdec_rt.runtime.window_binding import PAST_WINDOW
+    from specdec_rt.runtime.core.masks import causal_mask
+    from specdec_rt.runtime.engines.window_binding import PAST_WINDOW
 
     gen = specdec_rt.load(tiny_pair["bundle"], threads=1, max_batch=3)
     win = gen.draft_engine

@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
+from specdec_rt.errors import ExportError
 from specdec_rt.export.draft_vocab import draft_vocab_ids
 from specdec_rt.export.pipeline import ExportOptions, export_pair
-from specdec_rt.errors import ExportError
 
 KEEP = 64
 
@@ -25,7 +25,7 @@ def cut_bundle(tiny_pair, tmp_path_factory):
 def test_manifest_graph_and_validation(cut_bundle):
     import onnxruntime as ort
 
-    from specdec_rt.runtime.sessions import session_options
+    from specdec_rt.runtime.engines.sessions import session_options
 
     out, manifest = cut_bundle
     draft = manifest["models"]["draft"]

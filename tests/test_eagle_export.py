@@ -79,7 +79,7 @@ def head_bundle(request, tmp_path_factory):
 def _session(path):
     import onnxruntime as ort
 
-    from specdec_rt.runtime.sessions import session_options
+    from specdec_rt.runtime.engines.sessions import session_options
 
     # session_options: another test may have made the process-wide pool, which ORT then requires
     return ort.InferenceSession(str(path), session_options(1), providers=["CPUExecutionProvider"])
@@ -97,7 +97,7 @@ def _run(sess, **feeds):
 
 
 def test_manifest_entries(head_bundle):
-    from specdec_rt.runtime.bundle import load_bundle
+    from specdec_rt.runtime.core.bundle import load_bundle
 
     out, manifest = head_bundle["bundle"], head_bundle["manifest"]
     models = manifest["models"]
@@ -252,7 +252,7 @@ def test_features_every_verified_family(name):
     from specdec_rt.export.arch import extract
     from specdec_rt.export.eagle import target_features
     from specdec_rt.export.graph import FEATURE_FAMILIES, GraphOptions, build_model
-    from specdec_rt.runtime.sessions import session_options
+    from specdec_rt.runtime.engines.sessions import session_options
 
     model = _tiny(name)
     assert model.config.model_type in FEATURE_FAMILIES

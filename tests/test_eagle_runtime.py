@@ -157,9 +157,9 @@ def test_proposals_are_the_torch_heads(eagle_gen, eagle_pair):
     import torch
 
     from specdec_rt.export.eagle import target_features
-    from specdec_rt.runtime.eagle import EagleDrafter
-    from specdec_rt.runtime.gen_config import GenerationDefaults  # noqa: F401 - the loop's types below
-    from specdec_rt.runtime.requests import RowRequest
+    from specdec_rt.runtime.core.gen_config import GenerationDefaults  # noqa: F401 - the loop's types below
+    from specdec_rt.runtime.drafters.eagle import EagleDrafter
+    from specdec_rt.runtime.loop.requests import RowRequest
 
     gen, head = eagle_gen, eagle_pair["head"]
     tokens = gen.encode_prompt(PROMPTS[2])
@@ -205,7 +205,7 @@ def test_eagle_sampling_is_seeded_and_valid(eagle_gen):
 
 def test_eagle_errors(eagle_gen, tiny_gen, eagle_pair, tmp_path):
     from specdec_rt.errors import BundleError, GenerationInputError
-    from specdec_rt.runtime.tree import Template
+    from specdec_rt.runtime.loop.tree_step import Template
 
     with pytest.raises(GenerationInputError, match="no EAGLE-3 head"):
         tiny_gen.generate("x = 1", max_new_tokens=4, drafter="eagle")

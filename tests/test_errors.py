@@ -13,11 +13,11 @@ def test_errors_module_imports_neither_half():
 
 
 @pytest.mark.parametrize("module, name", [
-    ("specdec_rt.runtime.bundle", "BundleError"),
-    ("specdec_rt.runtime.engine", "ContextOverflowError"),
-    ("specdec_rt.runtime.generator", "GenerationInputError"),
-    ("specdec_rt.runtime.providers", "BackendUnavailableError"),
-    ("specdec_rt.runtime.sampling", "SamplingParamsError"),
+    ("specdec_rt.runtime.core.bundle", "BundleError"),
+    ("specdec_rt.runtime.engines.ort", "ContextOverflowError"),
+    ("specdec_rt.runtime.api.generator", "GenerationInputError"),
+    ("specdec_rt.runtime.engines.providers", "BackendUnavailableError"),
+    ("specdec_rt.runtime.core.sampling", "SamplingParamsError"),
     ("specdec_rt.runtime.errors", "BundleError"),
     ("specdec_rt.runtime.errors", "USER_ERRORS"),
     ("specdec_rt.export.pipeline", "ExportError"),

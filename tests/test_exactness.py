@@ -76,7 +76,7 @@ def test_rollback_leaves_cache_equal_to_fresh_prefill(tiny_pair, any_gen):
 
 def assert_cache_equals_fresh_prefill(eng, cached, tokens, n):
     """Re-prefill ``tokens[:n]`` into ``eng`` and compare its K/V with ``cached``."""
-    from specdec_rt.runtime.masks import causal_mask
+    from specdec_rt.runtime.core.masks import causal_mask
 
     eng.reset()
     pos = np.arange(n)
@@ -89,8 +89,8 @@ def assert_cache_equals_fresh_prefill(eng, cached, tokens, n):
 
 
 def test_stream_commits_the_same_tokens(tiny_gen):
-    from specdec_rt.runtime.generator import GenerationResult
-    from specdec_rt.runtime.stats import GenerationStats
+    from specdec_rt.runtime.api.generator import GenerationResult
+    from specdec_rt.runtime.core.stats import GenerationStats
 
     prompt = "def add(a, b):\n    return"
     result = tiny_gen.generate(prompt, max_new_tokens=24, ignore_eos=True)
@@ -124,7 +124,7 @@ def test_tree_greedy_is_exact(any_gen, prompt):
 
 def test_tree_with_identical_draft_accepts_whole_depth(tiny_pair):
     import specdec_rt
-    from specdec_rt.runtime.tree import TreeShape
+    from specdec_rt.runtime.loop.tree_step import TreeShape
 
     gen = specdec_rt.load(tiny_pair["bundle_same"], threads=1)
     base = gen.generate_ids(PROMPTS[2], max_new_tokens=36, drafter=None, ignore_eos=True)
@@ -161,8 +161,8 @@ def test_adaptive_draft_length_is_exact(any_gen, drafter):
 
 def test_adaptive_policy_grows_k_when_everything_is_accepted(tiny_pair):
     import specdec_rt
-    from specdec_rt.runtime.cost_model import CostModel
-    from specdec_rt.runtime.policy import AdaptivePolicy
+    from specdec_rt.runtime.policies.adaptive import AdaptivePolicy
+    from specdec_rt.runtime.policies.cost_model import CostModel
 
     gen = specdec_rt.load(tiny_pair["bundle_same"], threads=1)
     out = gen.generate_ids(PROMPTS[0], max_new_tokens=60, num_draft_tokens="auto", ignore_eos=True)

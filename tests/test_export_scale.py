@@ -94,7 +94,7 @@ def _graph(bundle: Path, role: str = "target"):
 def test_external_data_is_one_aligned_file_beside_the_graph(tiny_pair):
     """Initializers are streamed into one file, ``model.onnx.data``, at relative offsets; large ones
     64 KiB-aligned; the .onnx file itself holds only the graph and small constants."""
-    from specdec_rt.runtime.bundle import external_data_locations
+    from specdec_rt.runtime.core.bundle import external_data_locations
 
     bundle = Path(tiny_pair["bundle"])
     model = _graph(bundle)
@@ -196,7 +196,7 @@ def test_quantized_embedding_matches_dequantized_table(root):
     import onnx
 
     onnx.save(model, str(out / "target" / "probe.onnx"))
-    from specdec_rt.runtime.sessions import session_options  # the shared pool, if a test made one
+    from specdec_rt.runtime.engines.sessions import session_options  # the shared pool, if a test made one
 
     sess = ort.InferenceSession(str(out / "target" / "probe.onnx"), session_options(),
                                 providers=["CPUExecutionProvider"])

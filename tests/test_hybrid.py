@@ -21,12 +21,12 @@ def test_greedy_hybrid_is_target_only_and_uses_both_sources(tiny_gen, k):
         out = tiny_gen.generate_ids(prompt, max_new_tokens=30, drafter="hybrid", num_draft_tokens=k, ignore_eos=True)
         assert out == ref
         assert tiny_gen.last_stats.drafter == "hybrid"
-    from specdec_rt.runtime.drafters import ModelDrafter
-    from specdec_rt.runtime.hybrid import HybridDrafter
+    from specdec_rt.runtime.drafters.base import ModelDrafter
+    from specdec_rt.runtime.drafters.hybrid import HybridDrafter
 
     d = HybridDrafter(ModelDrafter(tiny_gen.draft_engine, tiny_gen.vocab_size))  # counts its sources
-    from specdec_rt.runtime.speculative import LoopConfig, Row
-    from specdec_rt.runtime.sampling import SamplingParams
+    from specdec_rt.runtime.core.sampling import SamplingParams
+    from specdec_rt.runtime.loop.speculative import LoopConfig, Row
 
     cfg = LoopConfig(max_new_tokens=8, params=SamplingParams(0.0, 0, 1.0))
     rows = [Row(p, cfg, np.random.default_rng(0), None) for p in (_prompts()[2], _prompts()[1])]

@@ -20,7 +20,7 @@ def long_context_bundle(tmp_path_factory):
 
 def test_kv_cache_sized_from_requested_context(long_context_bundle):
     import specdec_rt
-    from specdec_rt.runtime.generator import GenerationInputError
+    from specdec_rt.runtime.api.generator import GenerationInputError
 
     default = specdec_rt.load(long_context_bundle, threads=1)
     assert default.bundle.max_context == 8192

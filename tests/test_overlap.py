@@ -12,7 +12,7 @@ import torch
 import specdec_rt
 from specdec_rt.cli.demo import reference_dir
 from specdec_rt.errors import GenerationInputError
-from specdec_rt.runtime.sampling import accept_chain_sampled
+from specdec_rt.runtime.core.sampling import accept_chain_sampled
 
 from test_sampling import ALPHA, PROMPT, _warp, chi2_pvalue
 
@@ -169,8 +169,8 @@ def test_policy_learns_the_overlapped_regime():
     """Hiding the draft behind verification when the look-ahead survives makes a step cheaper;
     since a shorter block survives more often, "auto" may pick a shorter K (cheap draft) or a
     longer one (expensive draft, high acceptance) than without overlap."""
-    from specdec_rt.runtime.cost_model import CostModel
-    from specdec_rt.runtime.policy import AdaptivePolicy
+    from specdec_rt.runtime.policies.adaptive import AdaptivePolicy
+    from specdec_rt.runtime.policies.cost_model import CostModel
 
     def best(c: float, a: float, slope: float, overlap: bool) -> int:
         cost = CostModel([1.0 + slope * s for s in range(16)], c)

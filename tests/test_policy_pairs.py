@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 
 import specdec_rt
-from specdec_rt.runtime.cost_model import CostModel, expected_chain_tokens
-from specdec_rt.runtime.policy import AdaptivePolicy
-from specdec_rt.runtime.tree_policy import TreePolicy
+from specdec_rt.runtime.policies.adaptive import AdaptivePolicy
+from specdec_rt.runtime.policies.cost_model import CostModel, expected_chain_tokens
+from specdec_rt.runtime.policies.tree import TreePolicy
 
 PROMPTS = ["def add(a, b):", "for i in range(", "class Stack:\n    def", "import os\nimport",
            "x = [1, 2, 3]\nprint(", "while True:\n    ", "if x is None:\n", "return self."]

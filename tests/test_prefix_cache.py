@@ -7,7 +7,7 @@ import pytest
 
 import specdec_rt
 from specdec_rt.errors import GenerationInputError
-from specdec_rt.runtime.probes import probe_prefix_reuse
+from specdec_rt.runtime.engines.probes import probe_prefix_reuse
 
 MODES = [dict(drafter=None), dict(num_draft_tokens=3), dict(num_draft_tokens="auto"),
          dict(drafter="suffix_hybrid", num_draft_tokens="auto"), dict(speculation="tree", num_draft_tokens=6),
@@ -113,7 +113,7 @@ def test_cache_is_forgotten_when_the_engine_is_reset_or_repadded(gens):
 def test_probe_refuses_reuse_where_prompt_and_decoding_bits_differ(tiny_pair):
     """An engine whose wide calls write other K/V bits than decoding (as a kernel that switches
     paths by row count would): the probe must see it and keep reuse off."""
-    from specdec_rt.runtime.engine import OrtEngine
+    from specdec_rt.runtime.engines.ort import OrtEngine
 
     gen = specdec_rt.load(tiny_pair["bundle"], threads=1)
     assert gen.prefix_cache

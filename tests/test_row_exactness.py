@@ -56,8 +56,8 @@ def quant_bundles(tmp_path_factory) -> dict:
 def _rows(engine, prompt, path, side):
     """Logits rows of ``path`` computed one token at a time, as a chain, and inside a tree whose
     backbone is ``path`` with a sibling (from ``side``) at every depth, interleaved (holes)."""
-    from specdec_rt.runtime.masks import causal_mask, tree_mask
-    from specdec_rt.runtime.tree import TreeNode as _Node, tree_visibility as _tree_visibility
+    from specdec_rt.runtime.core.masks import causal_mask, tree_mask
+    from specdec_rt.runtime.loop.tree_step import TreeNode as _Node, tree_visibility as _tree_visibility
 
     n = len(prompt)
     engine.reset()
@@ -100,7 +100,7 @@ def test_chain_and_tree_rows_equal_sequential_rows_bit_for_bit(quant_bundles, pr
 def test_probe_pads_one_row_calls_where_kernels_differ(quant_bundles):
     """Whatever this CPU's kernels do, after the probe a one-row call equals a verify row."""
     import specdec_rt
-    from specdec_rt.runtime.masks import causal_mask
+    from specdec_rt.runtime.core.masks import causal_mask
 
     gen = specdec_rt.load(quant_bundles["int4"], threads=1)
     eng = gen.target
@@ -122,7 +122,7 @@ def test_w8a8_one_row_calls_need_no_padding(quant_bundles):
     row's logits cannot depend on the call's other rows: the probe must find one-row calls
     equal to verify rows on every CPU and leave them unpadded (int4's tax, gone)."""
     import specdec_rt
-    from specdec_rt.runtime.masks import causal_mask
+    from specdec_rt.runtime.core.masks import causal_mask
 
     gen = specdec_rt.load(quant_bundles["w8a8"], threads=2)
     eng = gen.target
@@ -143,7 +143,7 @@ def test_prefill_keeps_only_the_last_rows_and_their_bits(quant_bundles, precisio
     bits of the same rows in a full call, the optional input's default keeps every row, and
     ``extend`` (a prompt, in chunks) ends on the logits a full call gives its last token."""
     import specdec_rt
-    from specdec_rt.runtime.masks import causal_mask
+    from specdec_rt.runtime.core.masks import causal_mask
 
     gen = specdec_rt.load(quant_bundles[precision], threads=1)
     for eng in (gen.target, gen.draft_engine):
@@ -231,7 +231,7 @@ def test_fused_target_attention_chain_rows_equal_sequential_rows_bit_for_bit(qua
     import warnings
 
     import specdec_rt
-    from specdec_rt.runtime.probes import RowInvarianceWarning
+    from specdec_rt.runtime.engines.probes import RowInvarianceWarning
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", RowInvarianceWarning)  # nothing to say before a batch is asked for
@@ -289,7 +289,7 @@ def test_batched_rows_equal_rows_alone_bit_for_bit(quant_bundles, precision):
     a one-row call runs another kernel: a batched call always has several rows, and the row
     alone is padded to ``min_rows`` by the probe."""
     import specdec_rt
-    from specdec_rt.runtime.masks import causal_mask
+    from specdec_rt.runtime.core.masks import causal_mask
 
     gen = specdec_rt.load(quant_bundles[precision], threads=1, max_batch=4)
     assert gen.target.batch_calls  # the load-time probe found no dependence on the batch

@@ -14,7 +14,7 @@ import pytest
 import torch
 from scipy import stats as sps
 
-from specdec_rt.runtime.tree import Template
+from specdec_rt.runtime.loop.tree_step import Template
 
 ALPHA = 1e-3
 N_RUNS = 3000
@@ -108,7 +108,7 @@ def gen(tiny_vocab_pair):
                          f"{'-template' if c.get('tree_shape') else ''}")
 def test_sampled_tokens_follow_target_distribution(tiny_vocab_pair, gen, cfg, monkeypatch):
     if cfg.get("cheap_draft"):  # modelled costs: the policy must not calibrate them to real timings
-        from specdec_rt.runtime.tree_policy import TreePolicy
+        from specdec_rt.runtime.policies.tree import TreePolicy
 
         policy = gen.policies.tree()
         monkeypatch.setattr(policy, "draft_rows", [0.01 * c for c in policy.draft_rows])
@@ -147,7 +147,7 @@ def test_seed_reproducible(gen):
 
 
 def test_processed_probabilities_match_transformers_warpers():
-    from specdec_rt.runtime.sampling import SamplingParams, probabilities
+    from specdec_rt.runtime.core.sampling import SamplingParams, probabilities
 
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(5, 50)) * 3

@@ -795,7 +795,7 @@ def test_suffix_drafter_with_a_per_user_pool_through_the_server(tiny_pair, tiny_
     """`specdec-serve --drafter suffix --suffix-pool per-user`: requests feed their user's pool (a
     request without a user feeds none), answers stay target-only's, and /metrics splits drafts and
     acceptance by drafter."""
-    from specdec_rt.runtime.suffix import SuffixPool
+    from specdec_rt.runtime.drafters.suffix import SuffixPool
     from specdec_rt.serving.cli import build_parser
 
     args = build_parser().parse_args(["--bundle", str(tiny_pair["bundle"]), "--drafter", "suffix",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specdec_rt.runtime.suffix import SuffixDrafter, SuffixPool, SuffixTrie
+from specdec_rt.runtime.drafters.suffix import SuffixDrafter, SuffixPool, SuffixTrie
 
 
 def _prompts():
@@ -17,8 +17,8 @@ def _prompts():
 
 
 def _row(tokens, user=None, seq=0):
-    from specdec_rt.runtime.rows import LoopConfig, RowView
-    from specdec_rt.runtime.sampling import SamplingParams
+    from specdec_rt.runtime.core.rows import LoopConfig, RowView
+    from specdec_rt.runtime.core.sampling import SamplingParams
 
     cfg = LoopConfig(max_new_tokens=8, params=SamplingParams(0.0, 0, 1.0), user=user)
     return RowView(list(tokens), cfg, np.random.default_rng(0), seq)
@@ -101,7 +101,7 @@ def test_drafter_feeds_the_pool_at_the_end_and_reads_it_in_the_next_request():
     d.begin(prompt, 0)
     row = _row(prompt, user="alice")
     d.propose([row], [4])
-    from specdec_rt.runtime.rows import StepReport
+    from specdec_rt.runtime.core.rows import StepReport
 
     d.observe(StepReport(0, prompt + answer))
     d.end(0)
@@ -127,8 +127,8 @@ def test_a_new_request_on_a_reused_sequence_starts_a_fresh_index():
 
 
 def test_weak_matches_fall_back_to_the_model_in_the_suffix_hybrid(tiny_gen):
-    from specdec_rt.runtime.drafters import ModelDrafter
-    from specdec_rt.runtime.hybrid import HybridDrafter
+    from specdec_rt.runtime.drafters.base import ModelDrafter
+    from specdec_rt.runtime.drafters.hybrid import HybridDrafter
 
     d = HybridDrafter(ModelDrafter(tiny_gen.draft_engine, tiny_gen.vocab_size),
                       SuffixDrafter(None, min_score=1.0), name="suffix_hybrid")
@@ -198,9 +198,9 @@ def test_goodput_cuts_each_proposal_where_its_tokens_per_second_peak():
     """"auto" for the suffix drafter: a sure proposal runs long where verification is cheap, a
     doubtful one is cut (or dropped) where verification is steep, and a drafter whose estimates
     ran ahead of what was accepted is trusted less."""
-    from specdec_rt.runtime.cost_model import CostModel
-    from specdec_rt.runtime.policy import AdaptivePolicy
-    from specdec_rt.runtime.suffix import SuffixGoodput
+    from specdec_rt.runtime.drafters.suffix import SuffixGoodput
+    from specdec_rt.runtime.policies.adaptive import AdaptivePolicy
+    from specdec_rt.runtime.policies.cost_model import CostModel
 
     flat = SuffixGoodput(AdaptivePolicy(CostModel([1.0 + 0.05 * s for s in range(16)], 0.0)))
     steep = SuffixGoodput(AdaptivePolicy(CostModel([0.5 + 0.5 * (s + 1) for s in range(16)], 0.0)))

@@ -12,8 +12,8 @@ DRAFT_ROWS = [0.07, 0.075, 0.08, 0.083, 0.09, 0.097, 0.11, 0.12]
 
 
 def _policy(target_times, a, b, draft_rows=DRAFT_ROWS):
-    from specdec_rt.runtime.cost_model import CostModel
-    from specdec_rt.runtime.tree_policy import TreePolicy
+    from specdec_rt.runtime.policies.cost_model import CostModel
+    from specdec_rt.runtime.policies.tree import TreePolicy
 
     pol = TreePolicy(CostModel(list(target_times), draft_rows[0]), draft_rows=list(draft_rows))
     pol.accept = [a] * len(pol.accept)
@@ -28,7 +28,7 @@ def _rate(pol, tpl) -> float:
 
 
 def test_template_structure():
-    from specdec_rt.runtime.tree import Template
+    from specdec_rt.runtime.loop.tree_step import Template
 
     chain = Template.chain(4)
     assert chain.is_chain and chain.size == 5 and chain.max_depth == 4
@@ -98,7 +98,7 @@ def test_tree_auto_greedy_is_exact(any_gen, prompt):
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_fixed_templates_greedy_are_exact(any_gen, prompt):
-    from specdec_rt.runtime.tree import Template
+    from specdec_rt.runtime.loop.tree_step import Template
 
     base = any_gen.generate_ids(prompt, max_new_tokens=40, drafter=None, ignore_eos=True)
     for tpl in (Template.chain(0), Template.chain(3), Template((-1, 0, 0), (0, 0, 1)),
@@ -115,7 +115,7 @@ def test_policy_forced_to_branch_is_exact_and_branches(tiny_pair):
     import specdec_rt
     from test_exactness import assert_cache_equals_fresh_prefill
 
-    from specdec_rt.runtime.cost_model import CostModel
+    from specdec_rt.runtime.policies.cost_model import CostModel
 
     gen = specdec_rt.load(tiny_pair["bundle"], threads=1)
     pol = gen.policies.tree()  # measured once, then kept: override its costs

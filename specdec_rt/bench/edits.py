@@ -9,7 +9,7 @@ drafter exploit, and what agentic coding workloads look like (SuffixDecoding, Ol
 
 Per turn, every configuration decodes the same prompt greedily (outputs identical by
 construction; checked); the conversation goes on with target-only's answer. The suffix drafters
-run with a per-user :class:`~specdec_rt.runtime.suffix.SuffixPool`, one user per configuration and
+run with a per-user :class:`~specdec_rt.runtime.drafters.suffix.SuffixPool`, one user per configuration and
 session (so no configuration reads another's answer to the same turn), emptied at each repeat.
 Reported per turn index and overall, as ``--suite spec-bench`` reports per category.
 """
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from specdec_rt.bench.common import OURS_BASE, Outcome, Question, System
 from specdec_rt.errors import GenerationInputError
-from specdec_rt.runtime.drafter_names import NEEDS_DRAFT_MODEL
+from specdec_rt.runtime.drafters.names import NEEDS_DRAFT_MODEL
 
 SYSTEM_PROMPT = "You are a careful coding assistant. Reply with the whole updated file only, no explanation."
 
@@ -140,7 +140,7 @@ class EditSystem(System):
 def run_edits(cfg: EditsConfig) -> dict:
     import specdec_rt
     from specdec_rt.bench import spec_bench
-    from specdec_rt.runtime.suffix import SuffixPool
+    from specdec_rt.runtime.drafters.suffix import SuffixPool
 
     sessions = load_sessions(cfg.questions, cfg.sessions)
     gen = specdec_rt.load(cfg.bundle, threads=cfg.threads, shared_thread_pool=True,

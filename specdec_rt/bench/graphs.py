@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from specdec_rt.runtime.masks import causal_mask
-from specdec_rt.runtime.sessions import session_options
+from specdec_rt.runtime.core.masks import causal_mask
+from specdec_rt.runtime.engines.sessions import session_options
 
 
 def _feeds_for_genai(sess: ort.InferenceSession, s: int, p: int, head_size: int) -> dict:

@@ -122,7 +122,7 @@ def _rss_mb() -> float:
 def run_bench(cfg: BenchConfig) -> dict:
     import specdec_rt
     from specdec_rt.bench import llama_cpp_peer
-    from specdec_rt.runtime.cost_model import measure_engine
+    from specdec_rt.runtime.policies.cost_model import measure_engine
 
     from specdec_rt.errors import GenerationInputError
 

@@ -7,7 +7,7 @@ import json
 from typing import Callable, Iterator
 
 from specdec_rt.errors import GenerationInputError
-from specdec_rt.runtime.drafter_names import DRAFTERS
+from specdec_rt.runtime.drafters.names import DRAFTERS
 
 
 def parse_jsonl(text: str, where: Callable[[int], str]) -> Iterator[tuple[int, object]]:
@@ -41,7 +41,7 @@ positive_int = bounded_int(1)
 
 def draft_tokens_arg(value: str) -> int | str:
     """An argparse type: K as ``auto`` or 0..64 (the runtime's ``MAX_DRAFT_TOKENS``)."""
-    from specdec_rt.runtime.requests import MAX_DRAFT_TOKENS
+    from specdec_rt.runtime.loop.requests import MAX_DRAFT_TOKENS
 
     if value == "auto":
         return "auto"

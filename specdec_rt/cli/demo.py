@@ -40,7 +40,7 @@ def run_demo(bundle_dir: Path, args) -> int:
     import specdec_rt
     from specdec_rt.export.pipeline import ExportOptions, export_pair
 
-    from specdec_rt.runtime.sessions import enable_shared_thread_pool
+    from specdec_rt.runtime.engines.sessions import enable_shared_thread_pool
 
     overlap = bool(getattr(args, "overlap", False))
     if not overlap:  # overlapped decoding wants the models on their own pools

@@ -30,7 +30,7 @@ from typing import Iterator, Sequence
 
 from specdec_rt.cli.common import draft_tokens_arg, fail, parse_jsonl, positive_int
 from specdec_rt.errors import GenerationInputError
-from specdec_rt.runtime.drafter_names import DRAFTERS
+from specdec_rt.runtime.drafters.names import DRAFTERS
 
 USER_ROLES = ("user", "human")
 ASSISTANT_ROLES = ("assistant", "gpt", "bot", "model", "chatgpt")

@@ -88,8 +88,8 @@ def _run(args) -> int:
         print("specdec-run: give --prompt or --prompt-file", file=sys.stderr)
         return 2
     if args.stream and not args.json:
-        from specdec_rt.runtime.generator import GenerationResult
-        from specdec_rt.runtime.stats import GenerationStats
+        from specdec_rt.runtime.api.generator import GenerationResult
+        from specdec_rt.runtime.core.stats import GenerationStats
 
         result = GenerationResult("", [], GenerationStats())
         for piece in gen.stream(prompt, result=result, **kwargs):
@@ -141,8 +141,8 @@ def _chat(gen, args, kwargs) -> int:
     with the chat template every turn. A turn that fails (e.g. the conversation no longer fits
     the context) is reported on stderr and dropped; the exit status is then 1."""
     from specdec_rt.errors import USER_ERRORS
-    from specdec_rt.runtime.generator import GenerationResult
-    from specdec_rt.runtime.stats import GenerationStats
+    from specdec_rt.runtime.api.generator import GenerationResult
+    from specdec_rt.runtime.core.stats import GenerationStats
 
     templated = gen.chat_template is not None
     if not templated:

@@ -323,7 +323,7 @@ def compare_head(model_path: str, fc_path: str, ref: HeadReference, *, enforce: 
     max |K/V|, at least 1); the -inf pattern of the logits must be identical."""
     import onnxruntime as ort
 
-    from specdec_rt.runtime.sessions import session_options
+    from specdec_rt.runtime.engines.sessions import session_options
 
     t0 = time.perf_counter()
     opts = session_options()

@@ -28,12 +28,12 @@ from specdec_rt.errors import ExportError  # noqa: F401 - defined there, re-expo
 from specdec_rt.export.arch import (SUPPORTED_ROPE_TYPES, ArchSpec, UnsupportedArchitectureError,
                                     extract)
 from specdec_rt.export.config_files import read_json_config
-from specdec_rt.export.gguf_source import resolve_checkpoint, source_record
 from specdec_rt.export.draft_vocab import MIN_DRAFT_VOCAB, OUTPUT_IDS_FILE, draft_vocab_ids, prune_lm_head
+from specdec_rt.export.gguf_source import resolve_checkpoint, source_record
 from specdec_rt.export.graph import GraphOptions, write_model
 from specdec_rt.export.quantize import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, QUANT_BITS, QUANT_SCHEMES, W8A8
-from specdec_rt.runtime.bundle import (CONTRACT_VERSION, FORMAT_NAME, FORMAT_VERSION, MANIFEST,
-                                       sha256_file)
+from specdec_rt.runtime.core.bundle import (CONTRACT_VERSION, FORMAT_NAME, FORMAT_VERSION, MANIFEST,
+                                            sha256_file)
 
 DEFAULT_MAX_CONTEXT = 4096
 DTYPES = ("fp32", "fp16")

@@ -23,9 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-from specdec_rt.runtime.bundle import MANIFEST, load_bundle, sha256_file
-from specdec_rt.runtime.providers import BackendUnavailableError
-from specdec_rt.runtime.trt_engine import PREFILL, VERIFY, import_tensorrt  # noqa: F401 - shared
+from specdec_rt.runtime.core.bundle import MANIFEST, load_bundle, sha256_file
+from specdec_rt.runtime.engines.providers import BackendUnavailableError
+from specdec_rt.runtime.engines.trt import PREFILL, VERIFY, import_tensorrt  # noqa: F401 - shared
 
 __all__ = ["build_engines", "build_engine", "profile_shapes", "import_tensorrt", "PREFILL", "VERIFY"]
 

@@ -77,7 +77,7 @@ class _OrtRunner:
     def __init__(self, onnx_path: str, spec: ArchSpec, kv_dtype: np.dtype, prepack: bool = True) -> None:
         import onnxruntime as ort
 
-        from specdec_rt.runtime.sessions import session_options
+        from specdec_rt.runtime.engines.sessions import session_options
 
         opts = session_options()
         if not prepack:

@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from specdec_rt.errors import USER_ERRORS
-from specdec_rt.runtime.drafter_names import NEEDS_DRAFT_MODEL, NEEDS_HEAD
+from specdec_rt.runtime.drafters.names import NEEDS_DRAFT_MODEL, NEEDS_HEAD
 from specdec_rt.serving import protocol as P
 from specdec_rt.serving.generate_route import RequestError, parse_request
 from specdec_rt.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -178,7 +178,7 @@ class SpecdecAPI:
 
     def _validate_sampling(self, kwargs: dict) -> None:
         """The checks the runtime makes when the generation starts, made before queueing."""
-        from specdec_rt.runtime.sampling import SamplingParams
+        from specdec_rt.runtime.core.sampling import SamplingParams
 
         try:
             t, k, p = self.gen.generation_defaults.resolve(kwargs["temperature"], kwargs["top_k"], kwargs["top_p"],

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None, prog: str = "specdec-serve") -> int:
     bundle = Path(args.bundle)
     try:
         import specdec_rt
-        from specdec_rt.runtime.sessions import enable_shared_thread_pool
+        from specdec_rt.runtime.engines.sessions import enable_shared_thread_pool
 
         if not args.overlap:  # overlapped decoding wants the models on their own pools
             enable_shared_thread_pool(args.threads)  # a dedicated process: share one ORT thread pool

@@ -281,7 +281,7 @@ class SerialScheduler:
         return lambda: self._run(job)
 
     def _run(self, job: Job) -> None:
-        from specdec_rt.runtime.generator import GenerationResult, GenerationStats
+        from specdec_rt.runtime.api.generator import GenerationResult, GenerationStats
 
         metrics = self.metrics
         job.started = time.monotonic()
@@ -349,7 +349,7 @@ class _RowState:
 class BatchScheduler(SerialScheduler):
     """Continuous batching: the running requests are the rows of one batched generation.
 
-    One worker thread runs a :class:`~specdec_rt.runtime.batch_session.BatchSession` over a row
+    One worker thread runs a :class:`~specdec_rt.runtime.loop.batch_session.BatchSession` over a row
     source fed by the queue: between two steps, waiting requests take free rows (up to ``max_batch``; their
     prefill runs as their own calls), and finished, cancelled or timed-out rows leave. Every row
     keeps its own sampling parameters, seed, stop strings and max_tokens; greedy rows (and sampled
@@ -411,13 +411,13 @@ class BatchScheduler(SerialScheduler):
     def _session(self, key: tuple):
         """A batch session for these settings (the policies behind "auto" live in the generator,
         so what they learned carries over from one batch to the next)."""
-        from specdec_rt.runtime.batch_session import BatchSession
-        from specdec_rt.runtime.requests import SpeculationConfig
+        from specdec_rt.runtime.loop.batch_session import BatchSession
+        from specdec_rt.runtime.loop.requests import SpeculationConfig
 
         return BatchSession(self.generator, SpeculationConfig(key[0], key[1], "chain"), self.max_batch)
 
     def _source(self, key: tuple, states: dict, session):
-        from specdec_rt.runtime.rows import WAIT
+        from specdec_rt.runtime.core.rows import WAIT
 
         while True:
             with self._cond:
@@ -441,8 +441,8 @@ class BatchScheduler(SerialScheduler):
 
     def _admit(self, job: Job, states: dict, session):
         """A popped job as a session row, or None when it ended before starting (posted)."""
-        from specdec_rt.runtime.generator import GenerationResult, GenerationStats
-        from specdec_rt.runtime.requests import RowRequest
+        from specdec_rt.runtime.api.generator import GenerationResult, GenerationStats
+        from specdec_rt.runtime.loop.requests import RowRequest
 
         metrics = self.metrics
         job.started = time.monotonic()
@@ -484,7 +484,7 @@ class BatchScheduler(SerialScheduler):
                 same = head is not None and self.group_key(head.spec) == key
                 job = self._waiting.popleft() if same else None
             if job is not None:
-                from specdec_rt.runtime.generator import GenerationResult, GenerationStats
+                from specdec_rt.runtime.api.generator import GenerationResult, GenerationStats
 
                 self._end(_RowState(job, GenerationResult("", [], GenerationStats())),
                           Event("error", status=400, message=str(exc), code="invalid_request"))
