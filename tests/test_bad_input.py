@@ -34,6 +34,25 @@ def test_generation_stops_at_context_end(tiny_pair):
     assert len(res.token_ids) + 3 <= 32
 
 
+@pytest.mark.parametrize("speculation", ["chain", "tree"])
+def test_every_drafter_ends_at_the_context_end_where_plain_decoding_does(tiny_pair, speculation):
+    """A step that accepts every draft near the context end must not add a token plain decoding
+    would not have: the free drafters, whose last step could fill the last cache slot and add the
+    target's token, ended one token later than target-only (33 tokens in a context of 32)."""
+    gen = specdec_rt.load(tiny_pair["bundle_same"], max_length=32, threads=1)  # a draft that is always right
+    plain = gen.generate([5, 6, 7], max_new_tokens=100, ignore_eos=True, drafter=None)
+    assert plain.finish_reason == "context" and len(plain.token_ids) + 3 == 32
+    drafters = ("model", "eagle") if speculation == "tree" else ("auto", "model", "prompt_lookup", "suffix",
+                                                                  "hybrid", "suffix_hybrid")
+    for drafter in drafters:
+        if drafter == "eagle" and gen.head is None:
+            continue
+        for k in ((3, 6) if speculation == "tree" else (1, 3, 5)):
+            res = gen.generate([5, 6, 7], max_new_tokens=100, ignore_eos=True, drafter=drafter, num_draft_tokens=k,
+                               speculation=speculation)
+            assert res.token_ids == plain.token_ids and res.finish_reason == "context", (drafter, k)
+
+
 @pytest.mark.parametrize("kwargs, word", [
     (dict(temperature=-1.0), "temperature"),
     (dict(temperature=float("nan")), "temperature"),

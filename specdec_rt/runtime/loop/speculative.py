@@ -7,12 +7,12 @@ prompt is a batch of one row (:func:`run_chain`). Rows join and leave between st
 batching): a finished row's cache sequence goes to the next waiting prompt, whose prefill runs
 as its own call before it joins the batched steps.
 
-Invariant, per row: the target cache holds every committed token except the last one, which is
-the first input of the next verify call. Greedy output is token-for-token target-only greedy;
-sampled output follows the target's processed distribution exactly. A row's logits are bit for
-bit the same in a batch as alone (:func:`specdec_rt.runtime.engines.probes.probe_batch_invariance`), and
-each row draws from its own generator in the same order as alone, so with a fixed K a row's
-output does not depend on the other rows at all.
+Invariant, per row: the target cache holds every committed token except the last one (the
+next verify call's first input), and a row ends where plain decoding ends, when its tokens fill
+the context (:func:`~specdec_rt.runtime.core.rows.draft_room`). Greedy output is target-only
+greedy token for token; sampled output follows the target's processed distribution exactly. A
+row's logits are the same bits in a batch as alone (``probe_batch_invariance``) and each row
+draws from its own generator, so with a fixed K a row's output does not depend on other rows.
 
 With ``overlap`` (:mod:`specdec_rt.runtime.loop.overlap`) the verify call runs on a worker thread
 while the draft goes on past the block being verified (the *look-ahead*, kept in ``Row.ahead``);
@@ -27,7 +27,8 @@ from typing import Callable, Iterable, Iterator, TypeVar
 import numpy as np
 
 from specdec_rt.errors import ContextOverflowError, GenerationInputError
-from specdec_rt.runtime.core.rows import WAIT, DraftLengthPolicy, LoopConfig, Row, RowView, StepClock
+from specdec_rt.runtime.core.rows import (WAIT, DraftLengthPolicy, LoopConfig, Row, RowView, StepClock,
+                                          draft_room)
 from specdec_rt.runtime.core.sampling import (SamplingParams, accept_chain_greedy, accept_chain_sampled,
                                               probabilities, sample)
 from specdec_rt.runtime.core.stats import BatchStats, GenerationStats
@@ -200,8 +201,7 @@ def _step(target: OrtEngine, drafter: Drafter | None, rows: list[Row], k: int,
           policy: DraftLengthPolicy | None, overlap: VerifyThread | None = None) -> list[list[int]]:
     """One draft -> verify -> accept -> commit step over every row; returns each row's new tokens."""
     # draft: up to k tokens per row, fewer where its budget or the context ends
-    ks = [max(0, min(k, r.cfg.max_new_tokens - r.generated - 1, target.max_len - target.lengths[r.seq] - 1))
-          for r in rows]
+    ks = [max(0, min(k, r.cfg.max_new_tokens - r.generated - 1, draft_room(target, r.seq))) for r in rows]
     proposals: list[tuple[list[int], np.ndarray | None]] = [([], None)] * len(rows)
     observe = None if policy is None else policy.observe_step  # calibrates the policy to what steps cost here
     step_t0 = policy.clock() if observe is not None else 0.0

@@ -25,7 +25,7 @@ import numpy as np
 
 from specdec_rt.errors import GenerationInputError
 from specdec_rt.runtime.core.masks import causal_mask, tree_mask
-from specdec_rt.runtime.core.rows import LoopConfig, Row
+from specdec_rt.runtime.core.rows import LoopConfig, Row, draft_room
 from specdec_rt.runtime.core.sampling import probabilities, sample
 from specdec_rt.runtime.core.stats import GenerationStats
 from specdec_rt.runtime.drafters.base import ModelDrafter
@@ -159,7 +159,7 @@ class TreeStep:
             t0 = time.perf_counter()
             tree = self.tree_drafter.build(row.tokens, row.cfg.params, row.rng, row.seq)
             row.stats.time_draft += time.perf_counter() - t0
-            room = target.max_len - p0
+            room = draft_room(target, row.seq) + 1  # nodes with the root
             if len(tree) > room:  # near the context end: keep what fits (BFS order keeps parents)
                 tree = tree[:room]
                 for node in tree:
@@ -203,7 +203,8 @@ def _run_templates(target: OrtEngine, drafter: ModelDrafter, row: Row, policy) -
         if p0 + 1 >= target.max_len:
             return
         # nodes incl. the root: the target's and the draft's room, and no more than the budget
-        limit = max(1, min(target.max_len - p0, d_eng.max_len - len(tokens) + 1, cfg.max_new_tokens - row.generated))
+        limit = max(1, min(draft_room(target, row.seq) + 1, d_eng.max_len - len(tokens) + 1,
+                           cfg.max_new_tokens - row.generated))
         step_t0 = policy.clock()
         tpl = policy.choose(limit)
         t0 = time.perf_counter()
