@@ -49,7 +49,7 @@ def test_identical_draft_accepts_everything(tiny_pair):
     gen = specdec_rt.load(tiny_pair["bundle_same"], threads=1)
     for k in (1, 3, 8):
         base = gen.generate_ids(PROMPTS[0], max_new_tokens=30, drafter=None, ignore_eos=True)
-        spec = gen.generate_ids(PROMPTS[0], max_new_tokens=30, num_draft_tokens=k, ignore_eos=True)
+        spec = gen.generate_ids(PROMPTS[0], max_new_tokens=30, num_draft_tokens=k, drafter="model", ignore_eos=True)
         assert spec == base
         assert gen.last_stats.acceptance_rate == 1.0
         assert all(r == 1.0 for r in gen.last_stats.per_position_acceptance)

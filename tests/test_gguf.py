@@ -135,7 +135,7 @@ def test_qwen2_gguf_bundle_matches_transformers(qwen):
     for prompt in PROMPTS:
         ref = hf_greedy_from_gguf(qwen["path"], prompt, 24)
         assert gen.generate_ids(prompt, max_new_tokens=24, drafter=None, ignore_eos=True) == ref
-        assert gen.generate_ids(prompt, max_new_tokens=24, num_draft_tokens=3, ignore_eos=True) == ref
+        assert gen.generate_ids(prompt, max_new_tokens=24, num_draft_tokens=3, drafter="model", ignore_eos=True) == ref
     assert gen.last_stats.acceptance_rate == 1.0  # the draft is the same file
 
 

@@ -46,7 +46,7 @@ def test_auto_reaches_the_best_fixed_k_on_unseen_pairs(tiny_pair, bundle_key, co
     def run(k):
         out = []
         for p in PROMPTS:
-            out.append(gen.generate(p, max_new_tokens=48, num_draft_tokens=k, ignore_eos=True,
+            out.append(gen.generate(p, max_new_tokens=48, num_draft_tokens=k, drafter="model", ignore_eos=True,
                                     temperature=0).stats)
         return out
 
@@ -130,14 +130,14 @@ def test_a_draft_that_never_drafts_costs_nothing(tiny_pair, monkeypatch):
     (ModelDrafter.start is lazy: the prompt is caught up at the first proposal)."""
     gen = specdec_rt.load(tiny_pair["bundle"], threads=1)
     reference = gen.generate(PROMPTS[2], max_new_tokens=24, drafter=None, temperature=0).text
-    gen.generate(PROMPTS[0], max_new_tokens=4, num_draft_tokens="auto")  # measures the cost model
+    gen.generate(PROMPTS[0], max_new_tokens=4, num_draft_tokens="auto", drafter="model")  # measures the cost model
     monkeypatch.setattr(AdaptivePolicy, "choose", lambda self, width=1: 0)
     calls = gen.draft_engine.calls
-    out = gen.generate(PROMPTS[2], max_new_tokens=24, num_draft_tokens="auto", temperature=0)
+    out = gen.generate(PROMPTS[2], max_new_tokens=24, num_draft_tokens="auto", drafter="model", temperature=0)
     assert out.text == reference
     assert gen.draft_engine.calls == calls
     monkeypatch.undo()  # and once it drafts, the catch-up brings the whole prompt in
-    out = gen.generate(PROMPTS[2], max_new_tokens=24, num_draft_tokens=4, temperature=0)
+    out = gen.generate(PROMPTS[2], max_new_tokens=24, num_draft_tokens=4, drafter="model", temperature=0)
     assert out.text == reference and out.stats.acceptance_rate > 0
 
 

@@ -24,6 +24,11 @@ CONFIGS = [
     dict(temperature=0.8, top_k=5, top_p=1.0, drafter="model", num_draft_tokens=2),
     dict(temperature=1.3, top_k=0, top_p=0.8, drafter="model", num_draft_tokens=3),
     dict(temperature=1.0, top_k=0, top_p=1.0, drafter="prompt_lookup", num_draft_tokens=2),
+    # the free and mixed drafters, and the default, whatever it resolves to on this machine
+    dict(temperature=1.0, top_k=0, top_p=1.0, drafter="suffix", num_draft_tokens=2),
+    dict(temperature=0.8, top_k=0, top_p=0.9, drafter="hybrid", num_draft_tokens=3),
+    dict(temperature=1.0, top_k=0, top_p=1.0, drafter="suffix_hybrid", num_draft_tokens=2),
+    dict(temperature=1.0, top_k=0, top_p=1.0, drafter="auto", num_draft_tokens=2),
     dict(temperature=1.0, top_k=0, top_p=1.0, drafter="model", num_draft_tokens=6, speculation="tree"),
     dict(temperature=0.8, top_k=6, top_p=0.9, drafter="model", num_draft_tokens=9, speculation="tree"),
     # the shape policy (whatever it chooses; its draft made cheap, or on this pair, where the

@@ -194,7 +194,7 @@ def test_stop_strings_and_seeded_sampling(server, tiny_gen):
                                extra_body={"ignore_eos": True})
     assert out.choices[0].text == want.text and out.choices[0].finish_reason == "stop"
     # a fixed K: with "auto", K follows each generator's learned state, and sampled draws with it
-    kw = dict(max_new_tokens=16, temperature=0.9, top_p=0.95, top_k=40, seed=11, num_draft_tokens=3)
+    kw = dict(max_new_tokens=16, temperature=0.9, top_p=0.95, top_k=40, seed=11, num_draft_tokens=3, drafter="model")
     want = tiny_gen.generate(PROMPTS[2], **kw)
     for stream in (False, True):
         out = c.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=16, temperature=0.9, top_p=0.95,

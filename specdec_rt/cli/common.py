@@ -66,8 +66,11 @@ def add_generation_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--num-draft-tokens", "-k", type=draft_tokens_arg, default="auto",
                    help="draft length K, or 'auto' (default: the cost-model policy, which decodes "
                         "target-only where drafting does not pay; pass an integer for seed-reproducible sampling)")
-    g.add_argument("--drafter", default="model", choices=[*DRAFTERS, "none"],
-                   help="'none' = target-only decoding; 'eagle' = the bundle's EAGLE-3 head (--draft-head at export)")
+    g.add_argument("--drafter", default="auto", choices=[*DRAFTERS, "none"],
+                   help="auto (default): the drafter this bundle drafts best with on this machine (the draft "
+                        "model or EAGLE-3 head where cheap, else suffix matching with the draft model where it "
+                        "has no match; docs/design.md 'Choosing the drafter'); 'none' = target-only decoding; "
+                        "'eagle' = the bundle's EAGLE-3 head (--draft-head at export)")
     g.add_argument("--speculation", default="chain", choices=["chain", "tree"])
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")

@@ -49,7 +49,7 @@ class ServerConfig:
 
     model_name: str = "specdec"
     num_draft_tokens: int | str = "auto"
-    drafter: str | None = "auto"  # "auto": the cheaper of head and draft model (PolicyStore.cheaper_drafter)
+    drafter: str | None = "auto"  # "auto": what the library picks (PolicyStore.auto_drafter)
     speculation: str = "chain"
     max_queue: int = 64
     max_batch: int | None = None  # rows decoding at once; None: the generator's max_batch (1 = serial)
@@ -135,10 +135,9 @@ class SpecdecAPI:
         self.context = generator.max_length
         self.max_tokens_limit = config.max_tokens_limit or self.context
         drafter = tree_drafter = config.drafter
-        if drafter == "auto":  # chains: the cheaper of head and draft model, or the suffix hybrid
-            # where the draft model is dear; trees: the cheaper of head and draft model
-            tree_drafter = generator.policies.cheaper_drafter()
-            drafter = tree_drafter if config.speculation == "tree" else generator.policies.serving_drafter()
+        if drafter == "auto":  # the library's rule (PolicyStore.auto_drafter), resolved once here
+            tree_drafter = generator.policies.auto_drafter("tree")
+            drafter = generator.policies.auto_drafter(config.speculation)
             log.info("--drafter auto: %s (trees: %s)", drafter, tree_drafter)
         self.defaults = {"num_draft_tokens": config.num_draft_tokens, "drafter": None if drafter == "none" else drafter,
                          "speculation": config.speculation,

@@ -60,11 +60,13 @@ def build_parser(prog: str = "specdec-serve") -> argparse.ArgumentParser:
     g.add_argument("--num-draft-tokens", type=draft_tokens_arg, default="auto", help="0..64 or auto (default auto)")
     g.add_argument("--drafter", default="auto",
                    choices=("auto", "model", "prompt_lookup", "hybrid", "suffix", "suffix_hybrid", "eagle", "none"),
-                   help="auto: the bundle's EAGLE-3 head or draft model, whichever drafts a token for less on this "
-                        "machine (measured at start), else none; eagle: the head (specdec-export --draft-head); hybrid: prompt lookup where "
-                        "it matches, else the draft model (the fastest on real instruct pairs, docs/real-checkpoints.md); "
-                        "suffix: suffix-tree drafting over the request (and the --suffix-pool); suffix_hybrid: suffix "
-                        "where its match is strong, else the draft model")
+                   help="auto (default): what the library picks, resolved at start on this machine: the draft "
+                        "model or EAGLE-3 head, whichever drafts a token for less, where that is cheap against a "
+                        "target step; else suffix matching with the draft model where it has no match "
+                        "(suffix_hybrid); suffix alone on a bundle with neither (docs/design.md 'Choosing the "
+                        "drafter'); eagle: the head (specdec-export --draft-head); hybrid: prompt lookup where it "
+                        "matches, else the draft model; suffix: suffix-tree drafting over the request (and the "
+                        "--suffix-pool); suffix_hybrid: suffix where its match is strong, else the draft model")
     g.add_argument("--prefix-cache", default="shared", choices=("off", "per-user", "shared"),
                    help="a request whose prompt starts with what a cache sequence still holds (a chat's "
                         "earlier turns) keeps that K/V and prefills the rest, where a load-time probe finds it "

@@ -334,7 +334,7 @@ class SerialScheduler:
 # keyword arguments a batch row honours on its own; the group keys are shared by a whole batch
 ROW_KWARGS = frozenset({"max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "do_sample",
                         "ignore_eos", "user"})
-GROUP_DEFAULTS = {"num_draft_tokens": "auto", "drafter": "model", "speculation": "chain"}
+GROUP_DEFAULTS = {"num_draft_tokens": "auto", "drafter": "auto", "speculation": "chain"}
 
 
 @dataclass

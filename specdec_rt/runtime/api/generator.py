@@ -122,11 +122,11 @@ class Generator:
         """One sequence's committed tokens, step by step (chain or tree)."""
         cfg = request.loop_config(self.generation_defaults, self.eos_token_ids)
         plan = self.speculation_plan(config)
-        d, speculation = plan.drafter, config.speculation
-        stats.overlap, stats.prompt_tokens, stats.speculation = plan.overlapped, len(prompt_ids), speculation
-        stats.drafter, stats.num_draft_tokens = None if d is None else d.name, config.num_draft_tokens
-        rng = np.random.default_rng(request.seed)
-        if speculation == "chain":
+        d = plan.drafter
+        stats.overlap, stats.prompt_tokens, stats.speculation = plan.overlapped, len(prompt_ids), config.speculation
+        stats.drafter, stats.drafter_requested = None if d is None else d.name, config.drafter
+        stats.num_draft_tokens, rng = config.num_draft_tokens, np.random.default_rng(request.seed)
+        if config.speculation == "chain":
             inner = run_chain(self.target, d, prompt_ids, cfg, rng, stats, plan.k, plan.policy, plan.verify_thread)
         else:
             inner = tree_generation(self.target, d, prompt_ids, cfg, rng, stats, config, self.policies,
@@ -142,7 +142,7 @@ class Generator:
     # -- public API -------------------------------------------------------------------------
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float | None = None,
                top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-               num_draft_tokens: int | str = "auto", drafter: str | None = "model",
+               num_draft_tokens: int | str = "auto", drafter: str | None = "auto",
                speculation: str = "chain", stop: Sequence[str] | str | None = None,
                do_sample: bool | None = None, ignore_eos: bool = False,
                result: GenerationResult | None = None, tree_shape=None,
@@ -191,7 +191,7 @@ class Generator:
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 num_draft_tokens: int | str = "auto", drafter: str | None = "model",
+                 num_draft_tokens: int | str = "auto", drafter: str | None = "auto",
                  speculation: str = "chain", stop: Sequence[str] | str | None = None,
                  do_sample: bool | None = None, ignore_eos: bool = False,
                  tree_shape=None, overlap: bool | None = None, user: str | None = None) -> GenerationResult:
@@ -217,7 +217,7 @@ class Generator:
         stats = GenerationStats()
         out: list[int] = []
         args = dict(max_new_tokens=128, temperature=None, top_k=None, top_p=None, seed=None,
-                    num_draft_tokens="auto", drafter="model", speculation="chain", do_sample=None,
+                    num_draft_tokens="auto", drafter="auto", speculation="chain", do_sample=None,
                     ignore_eos=False, tree_shape=None, overlap=None, user=None)
         unknown = sorted(set(kwargs) - set(args))
         if unknown:
@@ -235,7 +235,7 @@ class Generator:
     # -- batches ------------------------------------------------------------------------------
     def stream_batch(self, prompts: Sequence, max_new_tokens: int = 128, *, batch_size: int | None = None,
                      temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                     seed: int | None = None, num_draft_tokens: int | str = "auto", drafter: str | None = "model",
+                     seed: int | None = None, num_draft_tokens: int | str = "auto", drafter: str | None = "auto",
                      stop: Sequence[str] | str | None = None, do_sample: bool | None = None,
                      ignore_eos: bool = False, overlap: bool | None = None, user: str | None = None,
                      speculation: str = "chain", tree_shape=None) -> BatchStream:
@@ -261,7 +261,7 @@ class Generator:
     def generate_batch(self, prompts: Sequence, max_new_tokens: int = 128, *, batch_size: int | None = None,
                        temperature: float | None = None, top_k: int | None = None,
                        top_p: float | None = None, seed: int | None = None,
-                       num_draft_tokens: int | str = "auto", drafter: str | None = "model",
+                       num_draft_tokens: int | str = "auto", drafter: str | None = "auto",
                        stop: Sequence[str] | str | None = None, do_sample: bool | None = None,
                        ignore_eos: bool = False, overlap: bool | None = None, user: str | None = None,
                        speculation: str = "chain", tree_shape=None) -> list[GenerationResult]:

@@ -23,7 +23,8 @@ class GenerationStats:
     overlap: bool = False
     time_total: float = 0.0
     time_in_models: float = 0.0  # inside ONNX Runtime (draft + target), prefill excluded
-    drafter: str | None = None
+    drafter: str | None = None  # the drafter that ran ("auto" resolved)
+    drafter_requested: str | None = None  # what the call asked for (e.g. "auto")
     speculation: str = "chain"
     num_draft_tokens: int | str = 0
     draft_lengths: list[int] = field(default_factory=list)

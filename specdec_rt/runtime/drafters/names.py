@@ -3,7 +3,9 @@ the Python API (:mod:`specdec_rt.runtime.loop.requests`) and the server's reques
 (:mod:`specdec_rt.serving.protocol`, standard library only, hence a module of its own)."""
 from __future__ import annotations
 
-DRAFTERS = ("model", "prompt_lookup", "hybrid", "suffix", "suffix_hybrid", "eagle")
+# "auto" (the default) is resolved per request to one of the others (PolicyStore.auto_drafter)
+AUTO = "auto"
+DRAFTERS = (AUTO, "model", "prompt_lookup", "hybrid", "suffix", "suffix_hybrid", "eagle")
 # drafters whose proposals read the committed tokens (or, eagle, the target's features of them):
 # nothing to draft ahead of verification
 NO_OVERLAP = ("hybrid", "suffix", "suffix_hybrid", "eagle")

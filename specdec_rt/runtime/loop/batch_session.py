@@ -102,7 +102,8 @@ class BatchSession:
     def new_stats(self) -> GenerationStats:
         """A row's statistics, labelled with this session's speculation."""
         p = self.plan
-        return GenerationStats(drafter=None if p.drafter is None else p.drafter.name, speculation=self.config.speculation,
+        return GenerationStats(drafter=None if p.drafter is None else p.drafter.name,
+                               drafter_requested=self.config.drafter, speculation=self.config.speculation,
                                num_draft_tokens=self.config.num_draft_tokens, overlap=p.overlapped)
 
     @property

@@ -11,10 +11,11 @@ from specdec_rt.errors import GenerationInputError
 from specdec_rt.runtime.drafters.base import Drafter, ModelDrafter, PromptLookupDrafter
 from specdec_rt.runtime.drafters.eagle import EagleHead
 from specdec_rt.runtime.drafters.hybrid import HybridDrafter, HybridPolicy
+from specdec_rt.runtime.drafters.names import AUTO, NO_OVERLAP
 from specdec_rt.runtime.drafters.suffix import SuffixDrafter, SuffixGoodput, SuffixPool
 from specdec_rt.runtime.loop.overlap import VerifyThread
 from specdec_rt.runtime.loop.policy_store import PolicyStore
-from specdec_rt.runtime.loop.requests import NO_OVERLAP, SpeculationConfig
+from specdec_rt.runtime.loop.requests import SpeculationConfig
 
 # a suffix proposal the suffix hybrid takes over the draft model's: at least this many expected
 # accepted tokens (the sum of its continuation frequencies; see suffix.py)
@@ -72,17 +73,23 @@ def plan_speculation(config: SpeculationConfig, width: int, *, draft_engine, voc
                      draft_context: int | None, policies: PolicyStore, default_overlap: bool,
                      verify_thread: Callable[[], VerifyThread],
                      suffix_pool: SuffixPool | None = None, head: EagleHead | None = None) -> SpeculationPlan:
-    """Resolve ``config`` for a generation of ``width`` sequences. ``default_overlap``: the
+    """Resolve ``config`` for a generation of ``width`` sequences: ``drafter="auto"`` becomes the
+    drafter :meth:`PolicyStore.auto_drafter` picks for this bundle. ``default_overlap``: the
     generator's setting where ``config.overlap`` is None (chains only, and drafters that can
     draft ahead: the others run sequentially); ``verify_thread``: gives the generator's (one,
     reused) verify worker; ``suffix_pool``: the generator's pool for the suffix drafters; ``head``:
     the generator's EAGLE-3 head, if its bundle has one."""
+    name = config.drafter
+    if name == AUTO:  # a generator loaded with overlap=True asks for a drafter that drafts ahead
+        wants_overlap = default_overlap if config.overlap is None else config.overlap
+        name = policies.auto_drafter(config.speculation, overlap=bool(wants_overlap))
     overlap = config.overlap
     if overlap is None:
-        overlap = default_overlap and config.speculation == "chain" and config.drafter not in NO_OVERLAP
-    if overlap and config.drafter in NO_OVERLAP:
-        raise GenerationInputError(f"drafter='{config.drafter}' does not draft ahead: use overlap=False with it")
-    drafter = make_drafter(config.drafter, draft_engine, vocab_size, draft_context, suffix_pool, head)
+        overlap = default_overlap and config.speculation == "chain" and name not in NO_OVERLAP
+    if overlap and name in NO_OVERLAP:
+        picked = " (what drafter='auto' picks for this bundle)" if config.drafter == AUTO else ""
+        raise GenerationInputError(f"drafter='{name}'{picked} does not draft ahead: use overlap=False with it")
+    drafter = make_drafter(name, draft_engine, vocab_size, draft_context, suffix_pool, head)
     k, policy = 0, None
     if not config.auto:
         k = int(config.num_draft_tokens)
@@ -97,7 +104,7 @@ def plan_speculation(config: SpeculationConfig, width: int, *, draft_engine, voc
                 lookup = drafter.lookup.goodput = SuffixGoodput(lookup)
             policy = drafter.policy = HybridPolicy(lookup, model)
         else:
-            policy = policies.chain(config.drafter, width, overlap)
+            policy = policies.chain(name, width, overlap)
             policy.start()
             if isinstance(drafter, ModelDrafter) and policy.use_confidence_stop:
                 drafter.confidence_floor = policy.confidence_floor()

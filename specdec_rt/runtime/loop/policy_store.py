@@ -22,7 +22,7 @@ from specdec_rt.runtime.policies.tree import TreePolicy
 
 
 # a draft step dearer than this share of a one-token target step: the server drafts with the
-# suffix hybrid (PolicyStore.serving_drafter), between the two pairs measured (0.07 and 0.28)
+# suffix hybrid (PolicyStore.auto_drafter), between the two pairs measured (0.07 and 0.28)
 SUFFIX_HYBRID_ABOVE = 0.15
 
 
@@ -88,14 +88,25 @@ class PolicyStore:
             self.head_step = self.head.measure_step(clock=self.clock)
         return "eagle" if self.head_step <= self.measured(self.draft).draft_step else "model"
 
-    def serving_drafter(self) -> str | None:
-        """The server's ``--drafter auto`` for chains: :meth:`cheaper_drafter`, except that a
-        draft model dearer than ``SUFFIX_HYBRID_ABOVE`` of a target step drafts only where suffix
-        matching (free) has nothing sure to propose ("suffix_hybrid"). Measured: the reference
-        pair's draft (c = 0.07) is best alone (2.11x vs the suffix hybrid's 1.96x), the 0.5B draft
-        beside Qwen2.5-Coder-1.5B (c = 0.28-0.46) is not (Spec-Bench 1.20x vs ~1.0x, code edits
-        2.05x vs 1.33x). Trees keep :meth:`cheaper_drafter` (they need a model or a head)."""
+    def auto_drafter(self, speculation: str = "chain", overlap: bool = False) -> str | None:
+        """What ``drafter="auto"`` (the default everywhere) runs on this bundle and machine.
+
+        Trees: :meth:`cheaper_drafter` (they need a model or a head; None when the bundle has
+        neither). Chains: the same, except that a draft model dearer than ``SUFFIX_HYBRID_ABOVE``
+        of a target step drafts only where suffix matching (free: the prompt, the output and the
+        suffix pool) has nothing sure to propose ("suffix_hybrid"), and a bundle with neither a
+        draft model nor a head drafts by suffix matching alone ("suffix"). Every choice keeps its
+        K policy, which drafts nothing (plain decoding) where drafting does not pay. Measured: the
+        reference pair's draft (c = 0.07) is best alone (2.11x vs the suffix hybrid's 1.96x), the
+        0.5B draft beside Qwen2.5-Coder-1.5B (c = 0.28-0.46) is not (Spec-Bench 1.20x vs ~1.0x,
+        code edits 2.05x vs 1.33x). ``overlap``: only the draft model drafts ahead ("model")."""
         base = self.cheaper_drafter()
+        if speculation == "tree":
+            return base
+        if overlap:
+            return "model" if self.draft is not None else base
+        if base is None:
+            return "suffix"
         if base != "model":
             return base
         cost = self.measured(self.draft)

@@ -26,14 +26,16 @@ class SpeculationConfig:
     """How a generation speculates (one per call, or per batch: its rows share it).
 
     ``num_draft_tokens``: K, 0..64, or ``"auto"`` (the cost-model policy; trees: the shape policy,
-    or a node budget when an integer); ``drafter``: "model", "prompt_lookup", "hybrid", "suffix",
-    "suffix_hybrid", "eagle" (the bundle's EAGLE-3 head) or None ("none") for target-only decoding; ``speculation``: "chain" or "tree";
+    or a node budget when an integer); ``drafter``: "auto" (the default: the drafter this bundle
+    drafts best with on this machine, :meth:`~specdec_rt.runtime.loop.policy_store.PolicyStore.auto_drafter`),
+    "model", "prompt_lookup", "hybrid", "suffix", "suffix_hybrid", "eagle" (the bundle's EAGLE-3
+    head) or None ("none") for target-only decoding; ``speculation``: "chain" or "tree";
     ``overlap``: draft the next block while the target verifies (None: the generator's default);
     ``tree_shape``: a fixed tree template or shape (trees only).
     """
 
     num_draft_tokens: int | str = "auto"
-    drafter: str | None = "model"
+    drafter: str | None = "auto"
     speculation: str = "chain"
     overlap: bool | None = None
     tree_shape: object = None

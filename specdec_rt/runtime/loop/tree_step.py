@@ -37,7 +37,7 @@ from specdec_rt.runtime.loop.requests import SpeculationConfig
 from specdec_rt.runtime.loop.speculative import keep_path, run_batch, start_row
 from specdec_rt.runtime.policies.tree_shapes import FixedTemplate, Template, TreeShape
 
-# the shapes and drafters live in tree_shapes / tree_drafters; their names stay importable from here
+# the shapes live in policies/tree_shapes, the drafters in drafters/tree; their names stay importable from here
 __all__ = ["FixedTemplate", "Template", "TemplateDrafter", "TreeDrafter", "TreeNode", "TreeShape", "TreeStep",
            "batch_tree_step", "run_tree", "tree_generation", "tree_visibility"]
 
