@@ -178,13 +178,15 @@ def test_gguf_files_from_flags_or_manifest(tmp_path):
 
 FAKE_TOOL = r'''#!{python}
 """A stand-in llama.cpp tool: prints captured output around the real prompt, logs its argv."""
-import json, sys
+import json, os, sys
 from pathlib import Path
 
 data, name = Path({data!r}), Path(sys.argv[0]).name
 args = sys.argv[1:]
 with open({log!r}, "a") as f:
     f.write(json.dumps([name] + args) + "\n")
+with open({log!r} + ".omp", "a") as f:  # the OpenMP wait policy it ran under
+    f.write(json.dumps(os.environ.get("OMP_WAIT_POLICY")) + "\n")
 if name == "llama-bench":
     print((data / "llama-bench.json").read_text())
     sys.exit(0)
@@ -333,3 +335,36 @@ def test_spec_bench_systems_share_the_plain_decode(fake_tools, tmp_path):
     assert (spec.proposed, spec.accepted) == (27, 11)
     assert len(plain.tokens) / plain.seconds == pytest.approx(16 / (1.6605 + 1.93412))
     assert (lookup.proposed, lookup.accepted) == (0, 0) and plain.ttft == pytest.approx(1.6605)
+
+
+def test_tools_run_with_openmps_default_wait_policy_unless_one_is_named(monkeypatch):
+    """An OMP_WAIT_POLICY left in the environment (PASSIVE slows llama.cpp 1.4x on an idle
+    machine) is not passed to the tools; --peer-omp-wait-policy sets one on purpose."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert "OMP_WAIT_POLICY" not in L.tool_environment()
+    assert L.tool_environment("active")["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert L.tool_environment()["PATH"] == os.environ["PATH"]
+
+
+def test_grounded_suite_runs_llama_cpp_stopping_at_eos(fake_tools, tmp_path, monkeypatch):
+    """--suite grounded: llama.cpp's tools run without --ignore-eos (answers end at EOS as users
+    run them), with OpenMP's default wait policy, and the results say so."""
+    from types import SimpleNamespace
+
+    from specdec_rt.bench.spec_bench import Question, SpecBenchConfig
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    t = tmp_path / "t.gguf"
+    t.write_bytes(b"GGUF")
+    manifest = {"models": {"target": {"source": {"format": "gguf", "path": str(t)}}}}
+    tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens=True: [ord(c) for c in text])
+    gen = SimpleNamespace(bundle=SimpleNamespace(manifest=manifest), max_length=256, tokenizer=tokenizer)
+    cfg = SpecBenchConfig(bundle="b", questions="q", peer_ks=[3], threads=1, stop_at_eos=True)
+    for system in LP.spec_bench_systems(cfg, gen):
+        system.run(Question(1, "edit", "hi"), [1, 2], "<prompt>", 16)
+    calls = [json.loads(line) for line in fake_tools["log"].read_text().splitlines()]
+    assert calls and all("--ignore-eos" not in c for c in calls)
+    policies = [json.loads(line) for line in Path(str(fake_tools["log"]) + ".omp").read_text().splitlines()]
+    assert policies == [None] * len(calls)  # the caller's PASSIVE was not passed on
+    plan = LP.plan(SimpleNamespace(ks=[3], threads=1, peer_omp_wait_policy="passive"), manifest, 256)
+    assert plan.omp_wait_policy == "passive" and plan.ignore_eos

@@ -163,3 +163,32 @@ def test_edits_suite_end_to_end(spec_bench_files, tiny_pair, tmp_path):
     bad.write_text('{"session": "s"}\n')
     with pytest.raises(GenerationInputError, match="not an edit session"):
         load_sessions(str(bad))
+
+
+def test_grounded_suite_stops_at_eos_and_runs_every_question(spec_bench_files, tmp_path):
+    """--suite grounded: the Spec-Bench machinery on requests whose answers copy from the prompt,
+    every question of the file, answers ending at EOS (the tiny chat model may end early), the
+    default drafter among the systems, every system identical to target-only."""
+    out = tmp_path / "grounded"
+    rc = main(["--bundle", str(spec_bench_files["bundle"]), "--suite", "grounded", str(spec_bench_files["questions"]),
+               "--max-new-tokens", "12", "--k", "", "--drafter", "auto,suffix", "--no-tree", "--repeats", "1",
+               "--threads", "1", "--out", str(out), "--quiet"])
+    assert rc == 0
+    for name in ("grounded.json", "grounded.md", "grounded.png"):
+        assert (out / name).is_file(), name
+    res = json.loads((out / "grounded.json").read_text())
+    assert res["settings"]["ignore_eos"] is False and res["settings"]["per_category"] >= 3
+    assert len(res["prompt_tokens"]) == len(QUESTIONS)  # every question, not 2 per category
+    assert res["title"].startswith("Grounded") and (out / "grounded.md").read_text().startswith("# Grounded")
+    names = {r["system"] for r in res["overall"]}
+    assert {"target-only", "auto K=auto", "suffix K=auto"} <= names
+    assert all(r["identical_to_own_target_only"] for r in res["overall"])
+
+
+def test_shipped_grounded_questions():
+    """The shipped grounded set: four kinds of request, prompts long enough to copy from."""
+    from specdec_rt.bench.spec_bench import EVERY_QUESTION, GROUNDED_QUESTIONS
+
+    qs = load_questions(str(GROUNDED_QUESTIONS), None, EVERY_QUESTION)
+    assert list(dict.fromkeys(q.category for q in qs)) == ["edit", "refactor", "tests", "doc_qa"]
+    assert len(qs) >= 12 and all(len(q.text) > 1000 for q in qs)

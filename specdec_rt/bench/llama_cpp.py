@@ -231,18 +231,32 @@ class LlamaRun:
         return d
 
 
-def _base_args(model: Path, prompt_file: Path, n: int, threads: int, seed: int, ctx: int) -> list[str]:
-    # greedy and verbatim: no escapes processed, EOS ignored (our runs ignore it too), explicit threads
+def _base_args(model: Path, prompt_file: Path, n: int, threads: int, seed: int, ctx: int,
+               ignore_eos: bool = True) -> list[str]:
+    # greedy and verbatim: no escapes processed, EOS ignored where ours ignores it, explicit threads
     return ["-m", str(model), "-f", str(prompt_file), "--no-escape", "-n", str(n), "-c", str(ctx),
-            "--temp", "0", "--top-k", "1", "-s", str(seed), "-t", str(threads), "--ignore-eos"]
+            "--temp", "0", "--top-k", "1", "-s", str(seed), "-t", str(threads)] + (["--ignore-eos"] if ignore_eos else [])
+
+
+def tool_environment(omp_wait_policy: str | None = None) -> dict[str, str]:
+    """The environment llama.cpp's tools run in: OpenMP's default wait policy unless one is named
+    (an ``OMP_WAIT_POLICY`` left in the caller's environment is dropped: PASSIVE waits cost the
+    tools 1.4x in decoding on an idle 2-core machine, which is not how users run them)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if omp_wait_policy:
+        env["OMP_WAIT_POLICY"] = omp_wait_policy.upper()
+    return env
 
 
 def run_config(tool: Path, model, prompt: str, max_new_tokens: int, *, kind: str, k: int = 0, draft=None,
-               threads: int = 2, seed: int = 0, ctx: int = 4096, timeout: float | None = 600) -> LlamaRun:
+               threads: int = 2, seed: int = 0, ctx: int = 4096, timeout: float | None = 600,
+               ignore_eos: bool = True, omp_wait_policy: str | None = None) -> LlamaRun:
     """Run one configuration (``kind`` "plain", "draft" or "lookup") on one prompt.
 
     The speculative tools stop once they *passed* their budget, so they get ``max_new_tokens - 1``
     and emit at least ``max_new_tokens`` (llama-speculative-simple: exactly that many).
+    ``ignore_eos=False``: stop at the model's end of generation, as users run it;
+    ``omp_wait_policy``: :func:`tool_environment`.
     """
     if kind not in ("plain", "draft", "lookup"):
         raise ValueError(f"unknown llama.cpp configuration {kind!r}")
@@ -253,7 +267,7 @@ def run_config(tool: Path, model, prompt: str, max_new_tokens: int, *, kind: str
         prompt_file = Path(tmp) / "prompt.txt"
         # -f drops one trailing newline of the file: add one, so the prompt's own is kept
         prompt_file.write_bytes(prompt.encode() + b"\n")
-        cmd = [str(tool)] + _base_args(Path(model), prompt_file, n, threads, seed, ctx)
+        cmd = [str(tool)] + _base_args(Path(model), prompt_file, n, threads, seed, ctx, ignore_eos)
         if kind == "plain":
             # no chat template of its own, no prompt echo, special tokens printed as the other tools do
             cmd += ["-no-cnv", "--no-display-prompt", "-sp"]
@@ -263,7 +277,8 @@ def run_config(tool: Path, model, prompt: str, max_new_tokens: int, *, kind: str
                 # this tree's speculative-simple needs the type named; p-min 0: always K tokens
                 cmd += ["-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-p-min", "0"]
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        proc = subprocess.run(cmd, capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                              env=tool_environment(omp_wait_policy))
         wall = time.perf_counter() - t0
     log = proc.stderr.decode("utf-8", errors="replace")
     if proc.returncode != 0:
@@ -275,7 +290,7 @@ def run_config(tool: Path, model, prompt: str, max_new_tokens: int, *, kind: str
 
 
 def time_curve(tool: Path, model, sizes: Sequence[int] = DEFAULT_SIZES, *, threads: int = 2, depth: int = 128,
-               repeats: int = 3, timeout: float | None = 600) -> dict:
+               repeats: int = 3, timeout: float | None = 600, omp_wait_policy: str | None = None) -> dict:
     """T(S) with llama-bench: S tokens evaluated in one call after ``depth`` tokens of context
     (ours is measured after 128 past tokens too), ``repeats`` times each."""
     sizes = sorted({int(s) for s in sizes})
@@ -285,7 +300,8 @@ def time_curve(tool: Path, model, sizes: Sequence[int] = DEFAULT_SIZES, *, threa
            "-r", str(repeats), "-o", "json"]
     if depth:
         cmd += ["-d", str(depth)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                          env=tool_environment(omp_wait_policy))
     if proc.returncode != 0:
         raise LlamaCppError(f"llama-bench failed (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
     seconds = parse_bench_json(proc.stdout)

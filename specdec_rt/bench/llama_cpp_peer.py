@@ -72,6 +72,8 @@ class LlamaCppPlan:
     sizes: tuple[int, ...] = L.DEFAULT_SIZES
     depth: int = 128  # ours measures T(S) after 128 past tokens too
     bench_repeats: int = 3  # llama-bench repetitions per S
+    ignore_eos: bool = True  # False: answers stop at EOS, as users run them (the grounded suite)
+    omp_wait_policy: str | None = None  # None: OpenMP's default (L.tool_environment)
 
     def configs(self) -> list[tuple[str, int]]:
         out = [("plain", 0)]
@@ -88,12 +90,14 @@ def plan(cfg, manifest: dict, max_length: int, ks: list[int] | None = None) -> L
     # headroom: the speculative tools overshoot the token budget by up to K
     ctx = int(max_length) + max(ks, default=0) + 16
     return LlamaCppPlan(tools=tools, target=target, draft=draft, threads=int(cfg.threads or os.cpu_count() or 1),
-                        ctx=ctx, ks=ks)
+                        ctx=ctx, ks=ks, ignore_eos=not getattr(cfg, "stop_at_eos", False),
+                        omp_wait_policy=getattr(cfg, "peer_omp_wait_policy", None))
 
 
 def _run(plan_: LlamaCppPlan, kind: str, k: int, prompt: str, n: int, seed: int) -> L.LlamaRun:
     return L.run_config(plan_.tools[kind], plan_.target, prompt, n, kind=kind, k=k, draft=plan_.draft,
-                        threads=plan_.threads, seed=seed, ctx=plan_.ctx)
+                        threads=plan_.threads, seed=seed, ctx=plan_.ctx, ignore_eos=plan_.ignore_eos,
+                        omp_wait_policy=plan_.omp_wait_policy)
 
 
 def _first_difference(a: bytes, b: bytes) -> int:
@@ -157,7 +161,7 @@ def run(plan_: LlamaCppPlan, prompts: list[str], max_new_tokens: int, repeats: i
                 if bar is not None:
                     bar.update(1)
     curve = L.time_curve(plan_.tools["bench"], plan_.target, plan_.sizes, threads=plan_.threads,
-                         depth=plan_.depth, repeats=plan_.bench_repeats)
+                         depth=plan_.depth, repeats=plan_.bench_repeats, omp_wait_policy=plan_.omp_wait_policy)
     if bar is not None:
         bar.update(1)
         bar.close()
@@ -172,7 +176,7 @@ def run(plan_: LlamaCppPlan, prompts: list[str], max_new_tokens: int, repeats: i
         "target_gguf": str(plan_.target), "draft_gguf": str(plan_.draft) if plan_.draft else None,
         "threads": plan_.threads, "ctx": plan_.ctx,
         "timing": "llama.cpp's own printout (wall clock, model load excluded), whatever --clock says",
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "omp_wait_policy": plan_.omp_wait_policy or "OpenMP's default (unset)",
         "commands": {f"{kind} K={k}": runs[(kind, k)][0].command for kind, k in configs},
         "runs": [dict(run.summary(), prompt=i) for c in configs for run, i in zip(runs[c], indices[c])],
         "time_curve": curve,

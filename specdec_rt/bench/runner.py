@@ -40,6 +40,7 @@ class BenchConfig:
     clock: str = "wall"  # "cpu": this process's CPU time (single-threaded runs on a shared machine)
     gguf_target: str | None = None  # llama.cpp peer: GGUF files (default: the bundle's GGUF sources)
     gguf_draft: str | None = None
+    peer_omp_wait_policy: str | None = None  # llama.cpp: None runs it with OpenMP's default
 
 
 @dataclass

@@ -25,6 +25,16 @@ from specdec_rt.bench.common import OURS_BASE, UNPADDED, Outcome, Question, Syst
 from specdec_rt.errors import GenerationInputError
 
 
+# the grounded suite (--suite grounded): single-turn requests whose answers copy from the prompt
+GROUNDED_QUESTIONS = Path(__file__).resolve().parents[1] / "data" / "workloads" / "grounded.jsonl"
+EVERY_QUESTION = 10 ** 6  # per_category: the whole file
+
+
+def grounded_title(max_new_tokens: int) -> str:
+    return (f"Grounded requests (code edits, refactors, tests for given code, quoting a document): up to "
+            f"{max_new_tokens} new tokens, stopping at EOS, greedy")
+
+
 @dataclass
 class SpecBenchConfig:
     bundle: str
@@ -48,6 +58,9 @@ class SpecBenchConfig:
     # target-only decoding, on its one-row kernel, joins the baselines: speedups are then over
     # the fastest target-only of any of our bundles, measured in the same run
     baseline_bundles: list[str] = field(default_factory=list)
+    stop_at_eos: bool = False  # True: answers end at EOS as users run them (ours and the peers')
+    peer_omp_wait_policy: str | None = None  # llama.cpp: None runs it with OpenMP's default
+    title: str | None = None  # the report's heading (default: Spec-Bench's)
 
 
 def load_questions(path: str, categories: list[str] | None, per_category: int) -> list[Question]:
@@ -82,16 +95,16 @@ def load_questions(path: str, categories: list[str] | None, per_category: int) -
 
 class OurSystem(System):
     def __init__(self, gen, name: str, drafter: str | None, k, speculation: str = "chain",
-                 min_rows: int | None = None, family: str = "ours") -> None:
+                 min_rows: int | None = None, family: str = "ours", ignore_eos: bool = True) -> None:
         self.gen, self.name, self.drafter, self.k, self.speculation = gen, name, drafter, k, speculation
-        self.family, self.is_base, self.min_rows = family, drafter is None, min_rows
+        self.family, self.is_base, self.min_rows, self.ignore_eos = family, drafter is None, min_rows, ignore_eos
 
     def run(self, question, ids, text, n) -> Outcome:
         g = self.gen
         with g.target.rows_padded_to(self.min_rows):
             t0 = time.perf_counter()
-            out = g.generate_ids(ids, max_new_tokens=n, temperature=0.0, ignore_eos=True, drafter=self.drafter,
-                                 num_draft_tokens=self.k, speculation=self.speculation)
+            out = g.generate_ids(ids, max_new_tokens=n, temperature=0.0, ignore_eos=self.ignore_eos,
+                                 drafter=self.drafter, num_draft_tokens=self.k, speculation=self.speculation)
             dt = time.perf_counter() - t0
         s = g.last_stats
         return Outcome(out, dt, ttft=s.time_prefill, target_calls=s.target_calls, proposed=s.proposed,
@@ -113,7 +126,8 @@ def baseline_systems(cfg: SpecBenchConfig, questions: list[Question], prompts: l
                                        "prompts into other tokens than the bundle's (it must be an export "
                                        "of the same checkpoint)")
         label = Path(path).name
-        systems.append(OurSystem(other, f"target-only [{label}]", None, 0, min_rows=1, family=f"ours [{label}]"))
+        systems.append(OurSystem(other, f"target-only [{label}]", None, 0, min_rows=1, family=f"ours [{label}]",
+                                 ignore_eos=not cfg.stop_at_eos))
     return systems
 
 
@@ -129,18 +143,19 @@ class GenaiSystem(System):
 
 
 def our_systems(cfg: SpecBenchConfig, gen) -> list[System]:
-    systems: list[System] = [OurSystem(gen, OURS_BASE, None, 0)]
+    eos = {"ignore_eos": not cfg.stop_at_eos}
+    systems: list[System] = [OurSystem(gen, OURS_BASE, None, 0, **eos)]
     if gen.target.min_rows > 1:  # exactness pads one-row calls here: the faster baseline too
-        systems.append(OurSystem(gen, UNPADDED, None, 0, min_rows=1))
+        systems.append(OurSystem(gen, UNPADDED, None, 0, min_rows=1, **eos))
     for drafter in cfg.drafters:
         if drafter == "model" and gen.draft_engine is None:
             continue
         for k in cfg.ks:
-            systems.append(OurSystem(gen, f"{drafter} K={k}", drafter, k))
+            systems.append(OurSystem(gen, f"{drafter} K={k}", drafter, k, **eos))
         if cfg.auto:
-            systems.append(OurSystem(gen, f"{drafter} K=auto", drafter, "auto"))
+            systems.append(OurSystem(gen, f"{drafter} K=auto", drafter, "auto", **eos))
     if cfg.tree and cfg.auto and gen.draft_engine is not None and gen.exact_trees and "model" in cfg.drafters:
-        systems.append(OurSystem(gen, "model tree auto", "model", "auto", "tree"))
+        systems.append(OurSystem(gen, "model tree auto", "model", "auto", "tree", **eos))
     return systems
 
 
@@ -279,13 +294,15 @@ def summarize(cfg, questions, prompts, systems, runs, gen, skipped, peak_rss_mb)
     overall = rows_for(list(range(len(questions))))
     return {
         "suite": "spec-bench",
+        "title": cfg.title,
         "machine": machine_description(),
         "bundle": str(cfg.bundle),
         "models": {r: {k: m.get(k) for k in ("family", "num_parameters", "num_layers", "quantization", "quant_block_size")}
                    for r, m in gen.bundle.manifest["models"].items()},
         "settings": {"questions": cfg.questions, "categories": categories, "per_category": cfg.per_category,
                      "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats, "threads": cfg.threads,
-                     "greedy": True, "ignore_eos": True, "target_min_rows": gen.target.min_rows},
+                     "greedy": True, "ignore_eos": not cfg.stop_at_eos, "target_min_rows": gen.target.min_rows,
+                     "llama_cpp_omp_wait_policy": cfg.peer_omp_wait_policy or "OpenMP's default (unset)"},
         "prompt_tokens": {str(q.question_id): len(p) for q, p in zip(questions, prompts)},
         "peak_rss_mb": peak_rss_mb,
         "overall": overall,
@@ -354,7 +371,7 @@ def plot(results: dict, path: Path) -> None:
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(x, cats, rotation=30, ha="right")
     ax.set_ylabel("speedup over our target-only")
-    ax.set_title(results.get("plot_title", "Spec-Bench per category"))
+    ax.set_title(results.get("plot_title") or results.get("title") or "Spec-Bench per category")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

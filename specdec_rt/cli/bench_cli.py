@@ -74,15 +74,19 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--suite", nargs="+", metavar=("NAME", "PATH"), default=None,
                     help="a benchmark suite instead of --prompts: 'spec-bench [question.jsonl]' runs Spec-Bench's "
                          "questions (first turns, chat template applied) and reports per category; writes "
-                         "spec_bench.json/.md/.png. 'edits [sessions.jsonl]': multi-turn code edits (default: "
+                         "spec_bench.json/.md/.png. 'grounded [questions.jsonl]': single-turn requests whose answers "
+                         "copy from the prompt (code edits, refactors, tests for given code, quoting a document; "
+                         "default: the shipped set), every question, answers stopping at EOS; writes "
+                         "grounded.json/.md/.png. 'edits [sessions.jsonl]': multi-turn code edits (default: "
                          "the shipped workload), every drafter at K=auto, per turn; writes edits.json/.md/.png")
     ap.add_argument("--sessions", type=int, default=None, help="with --suite edits: the first N sessions")
     ap.add_argument("--no-prefix-cache", action="store_true",
                     help="with --suite edits: prefill every turn's whole history (default: each turn keeps "
                          "the K/V of the conversation so far, as load(prefix_cache=True) does)")
     ap.add_argument("--categories", default=None, help="with --suite spec-bench: categories, comma separated (default all)")
-    ap.add_argument("--questions-per-category", type=int, default=2,
-                    help="with --suite spec-bench: the first N questions of each category (default 2)")
+    ap.add_argument("--questions-per-category", type=int, default=None,
+                    help="with --suite spec-bench / grounded: the first N questions of each category (default: 2 "
+                         "of Spec-Bench's, every grounded one)")
     ap.add_argument("--baseline-bundle", default=None, metavar="BUNDLES",
                     help="with --suite spec-bench: other bundles of the same checkpoint (comma separated), whose "
                          "target-only decoding on its one-row kernel joins the baselines: speedups are over "
@@ -91,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gguf-target", default=None,
                     help="llama.cpp peer: the target's GGUF file (default: the bundle's source, if it was a GGUF)")
     ap.add_argument("--gguf-draft", default=None, help="llama.cpp peer: the draft's GGUF file (default: as --gguf-target)")
+    ap.add_argument("--peer-omp-wait-policy", default=None, choices=["active", "passive"],
+                    help="llama.cpp peer: OMP_WAIT_POLICY for its tools (default: unset, OpenMP's default, as users "
+                         "run them; an OMP_WAIT_POLICY in this environment is not passed on); recorded in the results")
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--quiet", action="store_true")
     return ap
@@ -120,17 +127,18 @@ def main(argv: list[str] | None = None) -> int:
             auto=not args.no_auto, peer_cache=args.peer_cache, progress=not args.quiet,
             compare_graphs=args.compare_graphs, graphs_only=args.graphs_only, tree_budgets=args.tree_budgets,
             overlap=args.overlap, clock=args.clock, gguf_target=args.gguf_target, gguf_draft=args.gguf_draft,
+            peer_omp_wait_policy=args.peer_omp_wait_policy,
         )
         return _finish(run_bench(cfg), report.write, args.out, argv)
 
     return fail(run)
 
 
-def _finish(results: dict, write, out: str, argv) -> int:
+def _finish(results: dict, write, out: str, argv, **write_kwargs) -> int:
     """Record the command line, write the results with ``write`` (JSON, markdown, plots), print
     the table and what was written."""
     results["command"] = "specdec-bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    written = write(results, Path(out))
+    written = write(results, Path(out), **write_kwargs)
     print(written["markdown"])
     print(f"wrote {', '.join(written['files'])} to {out}")
     return 0
@@ -141,8 +149,9 @@ def _suite(args, argv) -> int:
     from specdec_rt.errors import GenerationInputError
 
     name, *rest = args.suite
-    if name not in ("spec-bench", "edits") or len(rest) > 1:
-        raise GenerationInputError(f"--suite takes 'spec-bench [PATH]' or 'edits [PATH]', got {' '.join(args.suite)!r}")
+    if name not in ("spec-bench", "grounded", "edits") or len(rest) > 1:
+        raise GenerationInputError(f"--suite takes 'spec-bench [PATH]', 'grounded [PATH]' or 'edits [PATH]', got "
+                                   f"{' '.join(args.suite)!r}")
     if name == "edits":
         from specdec_rt.bench import edits
 
@@ -153,15 +162,23 @@ def _suite(args, argv) -> int:
         if args.drafter_given:
             ecfg.drafters = _csv(args.drafter)
         return _finish(edits.run_edits(ecfg), edits.write, args.out, argv)
+    grounded = name == "grounded"
+    questions = rest[0] if rest else (str(spec_bench.GROUNDED_QUESTIONS) if grounded else "")
+    per_category = args.questions_per_category
+    if per_category is None:
+        per_category = spec_bench.EVERY_QUESTION if grounded else 2
     cfg = spec_bench.SpecBenchConfig(
-        bundle=args.bundle, questions=rest[0] if rest else "",
-        categories=_csv(args.categories) if args.categories else None, per_category=args.questions_per_category,
+        bundle=args.bundle, questions=questions,
+        categories=_csv(args.categories) if args.categories else None, per_category=per_category,
         max_new_tokens=args.max_new_tokens, ks=args.k, drafters=_csv(args.drafter),
         auto=not args.no_auto, tree=not args.no_tree, peers=_csv(args.peers),
         peer_ks=args.peer_k, repeats=args.repeats, threads=args.threads,
         peer_cache=args.peer_cache, gguf_target=args.gguf_target, gguf_draft=args.gguf_draft,
-        progress=not args.quiet, baseline_bundles=_csv(args.baseline_bundle) if args.baseline_bundle else [])
-    return _finish(spec_bench.run_spec_bench(cfg), spec_bench.write, args.out, argv)
+        progress=not args.quiet, baseline_bundles=_csv(args.baseline_bundle) if args.baseline_bundle else [],
+        stop_at_eos=grounded, peer_omp_wait_policy=args.peer_omp_wait_policy,
+        title=spec_bench.grounded_title(args.max_new_tokens) if grounded else None)
+    return _finish(spec_bench.run_spec_bench(cfg), spec_bench.write, args.out, argv,
+                   **({"stem": "grounded"} if grounded else {}))
 
 
 def _batch(args, prompts: list[str], argv) -> int:
