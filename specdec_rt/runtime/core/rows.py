@@ -120,13 +120,13 @@ class Row:
             self.ahead_q.pop(0)
 
 
-
 def draft_room(target, seq: int) -> int:
     """Drafts a step may verify on cache sequence ``seq`` of ``target`` without ending where plain
     decoding does not: plain decoding stops once the committed tokens fill the context
     (``max_len``), so a step that accepts every draft and adds the target's own token must stay
     within it (the K/V then holds ``max_len - 1`` positions, as plain decoding's last step leaves it)."""
     return max(0, target.max_len - target.lengths[seq] - 2)
+
 
 @dataclass
 class RowView:
