@@ -376,6 +376,22 @@ def test_bad_input_is_4xx(server, path, body, status, code, param):
     assert httpx.get(server + "/health").status_code == 200
 
 
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/v1/completions", b'{"prompt": "x", "\\udcff": 1}', 400, "\\udcff"),
+    ("/v1/completions", b'{"prompt": "x", "model": "a\\udcffb"}', 404, "model"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "\\ud800x": 1}', 400, "\\ud800x"),
+])
+def test_errors_echoing_a_lone_surrogate_render(server, path, body, status, param):
+    """A JSON escape of a lone surrogate decodes to a str UTF-8 cannot encode; an error echoing it
+    (unknown field, unknown model) was a 500 from the error renderer itself (issue 41)."""
+    r = httpx.post(server + path, content=body, headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "\\ud" in err["message"]
+    r = httpx.post(server + "/generate", content=b'{"prompt": "x", "\\udcff": 1}', timeout=60)
+    assert r.status_code == 400 and "\\udcff" in r.json()["error"]
+
+
 def test_bad_input_through_the_client(server):
     c = client(server)
     with pytest.raises(openai.BadRequestError, match="'n' must be 1"):

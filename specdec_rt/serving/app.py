@@ -356,7 +356,7 @@ class SpecdecAPI:
     # -- the deprecated /generate route (body and answers of the old stdlib server) ---------------------
     async def generate(self, request: Request) -> Response:
         def legacy_error(status: int, message: str) -> JSONResponse:
-            return JSONResponse({"error": message}, status_code=status)
+            return JSONResponse({"error": P.encodable(message)}, status_code=status)
 
         try:
             body = await self.read_json(request)

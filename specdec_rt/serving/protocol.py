@@ -46,7 +46,21 @@ class APIError(Exception):
         self.type = type or ERROR_TYPES.get(status, "invalid_request_error")
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        """The error object; message and param may echo request text, so they are made encodable
+        here, once for every renderer (JSON responses, in-band stream errors, /generate)."""
+        return {"error": {"message": encodable(self.message), "type": self.type,
+                          "param": None if self.param is None else encodable(self.param), "code": self.code}}
+
+
+def encodable(text: str) -> str:
+    """``text`` with every character UTF-8 cannot encode (a lone surrogate such as ``"\\udcff"``,
+    which JSON escapes may carry into a decoded string) written as its escape, so that rendering
+    an error that echoes the request can never fail."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
