@@ -376,20 +376,38 @@ def test_bad_input_is_4xx(server, path, body, status, code, param):
     assert httpx.get(server + "/health").status_code == 200
 
 
-@pytest.mark.parametrize("path, body, status, param", [
-    ("/v1/completions", b'{"prompt": "x", "\\udcff": 1}', 400, "\\udcff"),
-    ("/v1/completions", b'{"prompt": "x", "model": "a\\udcffb"}', 404, "model"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "\\ud800x": 1}', 400, "\\ud800x"),
+def test_error_bodies_echoing_a_lone_surrogate_render():
+    """A lone surrogate in an error's message or param (echoed request text) rendered by the
+    shared error path was a UnicodeEncodeError inside it: a 500 instead of the error (issue 41)."""
+    from specdec_rt.serving import protocol as P
+    from specdec_rt.serving.app import error_response
+
+    r = error_response(P.APIError(404, "the model 'a\udcffb' does not exist", "\ud800", "model_not_found"))
+    err = json.loads(r.body)["error"]
+    assert r.status_code == 404 and err["message"] == "the model 'a\\udcffb' does not exist"
+    assert err["param"] == "\\ud800"
+    assert b"\\udcff" in P.ChunkWriter.error(P.APIError(400, "x\udcff"))
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", b'{"prompt": "a\\udcffb", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", b'{"prompt": "x", "\\udcff": 1}', "\\udcff"),
+    ("/v1/completions", b'{"prompt": "x", "model": "a\\udcffb"}', "model"),
+    ("/v1/completions", b'{"prompt": "x", "stop": ["ok", "\\ude00\\ud83d"]}', "stop[1]"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi \\uDBFF"}]}', "messages[0].content"),
 ])
-def test_errors_echoing_a_lone_surrogate_render(server, path, body, status, param):
-    """A JSON escape of a lone surrogate decodes to a str UTF-8 cannot encode; an error echoing it
-    (unknown field, unknown model) was a 500 from the error renderer itself (issue 41)."""
+def test_lone_surrogates_are_400(server, path, body, param):
+    """JSON escapes can spell a lone UTF-16 surrogate, a str no encoder takes: a prompt holding one
+    was a 500 (the tokenizer's TypeError), an error echoing one a 500 from the renderer; the body
+    decoder refuses them, naming where (issue 41). A surrogate pair is ordinary text."""
     r = httpx.post(server + path, content=body, headers={"Content-Type": "application/json"}, timeout=60)
-    assert r.status_code == status, r.text
+    assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["param"] == param and "\\ud" in err["message"]
-    r = httpx.post(server + "/generate", content=b'{"prompt": "x", "\\udcff": 1}', timeout=60)
-    assert r.status_code == 400 and "\\udcff" in r.json()["error"]
+    assert err["param"] == param and err["code"] == "invalid_value" and "lone UTF-16 surrogate" in err["message"]
+    r = httpx.post(server + "/generate", content=b'{"prompt": "x\\udcff"}', timeout=60)
+    assert r.status_code == 400 and "lone UTF-16 surrogate" in r.json()["error"]
+    r = httpx.post(server + "/v1/completions", content=b'{"prompt": "x\\ud83d\\ude00", "max_tokens": 2}', timeout=60)
+    assert r.status_code == 200, r.text
 
 
 def test_bad_input_through_the_client(server):

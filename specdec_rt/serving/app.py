@@ -170,11 +170,7 @@ class SpecdecAPI:
                 raise P.APIError(413, f"the request body exceeds {limit} bytes (--max-body-bytes)", None,
                                  "request_too_large")
             chunks.append(chunk)
-        try:
-            body = P.JSON.decode(b"".join(chunks).decode("utf-8"))
-        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-            raise P.bad(f"the body is not valid JSON: {exc}", None, "invalid_json") from None
-        return body
+        return P.decode_body(b"".join(chunks))
 
     def _validate_sampling(self, kwargs: dict) -> None:
         """The checks the runtime makes when the generation starts, made before queueing."""

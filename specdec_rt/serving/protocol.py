@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -56,11 +57,7 @@ def encodable(text: str) -> str:
     """``text`` with every character UTF-8 cannot encode (a lone surrogate such as ``"\\udcff"``,
     which JSON escapes may carry into a decoded string) written as its escape, so that rendering
     an error that echoes the request can never fail."""
-    try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if _is_unicode(text) else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -72,6 +69,53 @@ def reject_constant(name: str):
 
 
 JSON = json.JSONDecoder(parse_constant=reject_constant)  # NaN / Infinity refused; one decoder for all bodies
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def decode_body(raw: bytes) -> Any:
+    """A request body as Python objects (every route's one decoder): 400 unless it is UTF-8 JSON
+    whose strings are Unicode text. JSON's ``\\uXXXX`` escapes can spell a lone UTF-16
+    surrogate, which decodes to a str nothing downstream can encode (the tokenizer raised a
+    TypeError: a 500), so such a string is refused here, naming where it is."""
+    try:
+        body = JSON.decode(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise bad(f"the body is not valid JSON: {exc}", None, "invalid_json") from None
+    if SURROGATE_ESCAPE.search(raw):  # only escapes can make one: skip the walk otherwise
+        where = lone_surrogate(body)
+        if where is not None:
+            where = where[:200]
+            raise bad(f"the string at {where} holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape "
+                      "not part of a pair): not Unicode text", where, "invalid_value")
+    return body
+
+
+def lone_surrogate(obj: Any) -> str | None:
+    """Where the first string (key or value) holding a lone surrogate is in a decoded JSON value
+    (``"prompt"``, ``"messages[0].content"``, ``"(body)"``), or None; iterative, for any depth."""
+    stack: list[tuple[Any, str]] = [(obj, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not _is_unicode(value):
+                return path or "(body)"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                name = f"{path}.{key}" if path else key
+                if not _is_unicode(key):
+                    return encodable(name)
+                stack.append((item, name))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
+    return None
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 # -- field checks ------------------------------------------------------------------------------
