@@ -230,6 +230,40 @@ def test_chat_equals_library(chat_server, chat_bundle):
         .choices[0].message.content == want.text
 
 
+COMPLETION_NULLS = ["model", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n", "user", "ignore_eos",
+                    "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "echo", "best_of", "suffix"]
+CHAT_NULLS = ["max_completion_tokens", "top_logprobs", "tools", "tool_choice", "response_format",
+              "parallel_tool_calls", "chat_template_kwargs", "metadata", "store", "service_tier"]
+SPECDEC_NULLS = {"num_draft_tokens": None, "drafter": None, "speculation": None, "timeout": None}
+
+
+def test_nulls_mean_left_out(chat_server, chat_bundle):
+    """null for an optional field is the field left out (OpenAI's schema marks them nullable), so a
+    request of nulls gets the default answer; ``specdec.drafter`` null is the server's drafter too,
+    not target-only ("none" is; issue 41's fuzz found the two meanings)."""
+    import specdec_rt
+
+    gen = specdec_rt.load(chat_bundle, threads=1)
+    base = {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0}
+    want = gen.generate(PROMPTS[0], max_new_tokens=12, temperature=0).text
+    body = {**base, **dict.fromkeys(COMPLETION_NULLS), "specdec": SPECDEC_NULLS}
+    r = httpx.post(chat_server + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+    assert httpx.post(chat_server + "/v1/completions", json={**base, "specdec": None}).json()["choices"][0]["text"] == want
+    body = {"messages": [{**MESSAGES[0], "name": None}, MESSAGES[1]],
+            "max_tokens": 12, "temperature": 0, **dict.fromkeys(COMPLETION_NULLS[:10] + CHAT_NULLS)}
+    r = httpx.post(chat_server + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == gen.chat(MESSAGES, max_new_tokens=12, temperature=0).text
+    from specdec_rt.serving import protocol as P
+
+    defaults = {"num_draft_tokens": "auto", "drafter": "model", "speculation": "chain", "tree_drafter": "eagle"}
+    for ext, drafter in ((SPECDEC_NULLS, "model"), ({"drafter": "none"}, None), ({"speculation": "tree"}, "eagle"),
+                         ({"speculation": "tree", "drafter": None}, "eagle")):
+        req = P.parse_completion({"prompt": "x", "specdec": ext}, "tiny", defaults, 100, None)
+        assert req.gen_kwargs["drafter"] == drafter, ext
+
+
 def test_next_chat_turn_reuses_the_conversation(chat_server, chat_bundle):
     """A chat's second turn through the server: the prompt tokens its first turn left in the
     cache are reused (usage.prompt_tokens_details.cached_tokens, prompt_tokens_cached_total)

@@ -11,6 +11,10 @@ Extensions (vLLM's names where vLLM has them): ``top_k`` (0 or -1: off), ``ignor
 ``chat_template_kwargs`` (chat), and ``specdec``: ``{"num_draft_tokens": 0..64 | "auto",
 "drafter": "model" | "prompt_lookup" | "hybrid" | "suffix" | "suffix_hybrid" | "eagle" | "none", "speculation": "chain" | "tree", "timeout": s}``
 overriding the server's defaults for one request.
+
+``null`` for an optional field, ``specdec``'s included, means the field was left out, as in
+OpenAI's API (its schema marks them nullable): the default applies. Target-only decoding is
+``"drafter": "none"``, never ``null``.
 """
 from __future__ import annotations
 
@@ -264,12 +268,12 @@ def _common(body: dict, kind: str, accepted: set[str], served_model: str, defaul
                 k = get_int(ext, "num_draft_tokens", 0, 64, "specdec.num_draft_tokens")
             if k is not None:
                 spec["num_draft_tokens"] = k
-        if "drafter" in ext:
-            d = ext["drafter"]
-            if d is not None and d not in DRAFTERS:
+        d = ext.get("drafter")
+        if d is not None:
+            if d not in DRAFTERS:
                 raise bad(f"'specdec.drafter' must be one of {', '.join(DRAFTERS)}, got {d!r:.40}",
                           "specdec.drafter", "invalid_value")
-            spec["drafter"] = None if d in (None, "none") else d
+            spec["drafter"] = None if d == "none" else d
         if ext.get("speculation") is not None:
             if ext["speculation"] not in SPECULATION:
                 raise bad(f"'specdec.speculation' must be 'chain' or 'tree', got {ext['speculation']!r:.40}",
@@ -280,7 +284,7 @@ def _common(body: dict, kind: str, accepted: set[str], served_model: str, defaul
             if t <= 0:
                 raise bad("'specdec.timeout' must be > 0 seconds", "specdec.timeout", "invalid_value")
             req.timeout = t
-    if not (isinstance(ext, dict) and "drafter" in ext):
+    if not (isinstance(ext, dict) and ext.get("drafter") is not None):
         spec["drafter"] = server_drafter(defaults, spec.get("speculation"))
     if max_timeout is not None:
         req.timeout = max_timeout if req.timeout is None else min(req.timeout, max_timeout)
