@@ -3,7 +3,8 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``
 (``/v1/models/{id}``), ``GET /health``, ``GET /metrics`` and the deprecated ``POST /generate``
 (the body and answers of the removed stdlib server, kept for existing clients; bodies are checked
-by :mod:`.generate_route`).
+by :mod:`.generate_route`). With ``ServerConfig.api_keys`` every route but ``/health`` (and
+``/metrics`` unless ``metrics_requires_key``) answers 401 without a valid key (:mod:`.auth`).
 
 Request flow: read the body (size-limited), validate it (:mod:`.protocol`), tokenize / render the
 chat template in a worker thread, check the context, submit to the scheduler (429 when its queue
@@ -33,7 +34,9 @@ from starlette.routing import Route
 
 from specdec_rt.errors import USER_ERRORS
 from specdec_rt.runtime.drafter_names import NEEDS_DRAFT_MODEL, NEEDS_HEAD
+from specdec_rt.errors import ServerConfigError
 from specdec_rt.serving import protocol as P
+from specdec_rt.serving.auth import APIKeyMiddleware, APIKeys
 from specdec_rt.serving.generate_route import RequestError, parse_request
 from specdec_rt.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from specdec_rt.serving.scheduler import Draining, GenSpec, QueueFull, make_scheduler
@@ -63,6 +66,10 @@ class ServerConfig:
     # (specdec-serve does; off here so that embedding apps and tests start at once)
     warm_up: bool = False
     info: dict[str, Any] = field(default_factory=dict)  # shown by /health (provider, ...)
+    # None: no key needed; else every path but /health (and /metrics, unless metrics_requires_key)
+    # needs 'Authorization: Bearer <key>' (auth.py; digests only, so the repr holds no key)
+    api_keys: APIKeys | None = None
+    metrics_requires_key: bool = False
 
 
 def error_response(err: P.APIError) -> JSONResponse:
@@ -433,6 +440,8 @@ def create_app(generator, config: ServerConfig | None = None, scheduler=None) ->
     """The ASGI app serving ``generator``. ``app.state.api`` holds the handlers, the scheduler and the
     metrics; the lifespan starts the scheduler's worker and drains it on shutdown."""
     config = config or ServerConfig()
+    if config.metrics_requires_key and config.api_keys is None:
+        raise ServerConfigError("metrics_requires_key needs API keys (ServerConfig.api_keys)")
     api = SpecdecAPI(generator, config, scheduler)
 
     @contextlib.asynccontextmanager
@@ -472,6 +481,9 @@ def create_app(generator, config: ServerConfig | None = None, scheduler=None) ->
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={P.APIError: on_api_error, HTTPException: on_http_error, Exception: on_error})
+    if config.api_keys is not None:  # inside the metrics middleware: 401s are counted too
+        open_paths = {"/health"} if config.metrics_requires_key else {"/health", "/metrics"}
+        app.add_middleware(APIKeyMiddleware, keys=config.api_keys, open_paths=open_paths)
     app.add_middleware(MetricsMiddleware, metrics=api.metrics)
     app.state.api = api
     return app
