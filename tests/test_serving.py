@@ -355,6 +355,8 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "max_tokens": 256}, 400, "context_length_exceeded", "max_tokens"),
     ("/v1/completions", {"prompt": "x", "temperature": -0.5}, 400, "invalid_value", "temperature"),
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "invalid_type", "temperature"),
+    ("/v1/completions", {"prompt": "x", "temperature": 10 ** 400}, 400, "invalid_value", "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": -10 ** 400}, 400, "invalid_value", "top_p"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "invalid_value", "top_p"),
     ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "invalid_value", "top_p"),
     ("/v1/completions", {"prompt": "x", "top_k": -2}, 400, "invalid_value", "top_k"),

@@ -150,9 +150,13 @@ def get_float(body: dict, name: str, param: str | None = None) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad(f"'{param}' must be a number, got {_type_name(value)} {value!r:.40}", param, "invalid_type")
+    try:  # a JSON integer beyond float's range made math.isfinite raise OverflowError: a 500
+        value = float(value)
+    except OverflowError:
+        value = math.inf
     if not math.isfinite(value):
         raise bad(f"'{param}' must be finite", param, "invalid_value")
-    return float(value)
+    return value
 
 
 def get_bool(body: dict, name: str, param: str | None = None) -> bool | None:
