@@ -471,6 +471,23 @@ def test_oversized_body_is_413(tiny_pair):
         assert httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
+def test_client_gone_mid_body_is_499_not_500(server):
+    """A client that closes the connection before its body has arrived was an unhandled
+    ClientDisconnect: a logged traceback and a 500 in /metrics (issue 41's fuzz); now a 499."""
+    import socket
+
+    before = metrics(server)
+    host, port = server[len("http://"):].split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+    key = ("specdec:http_requests_total", (("method", "POST"), ("route", "/v1/completions"), ("status", "499")))
+    deadline = time.monotonic() + 10
+    while metrics(server).get(key, 0) == before.get(key, 0):
+        assert time.monotonic() < deadline, "the disconnect was not counted as 499"
+        time.sleep(0.02)
+    assert not [k for k in metrics(server) if k[0] == "specdec:http_requests_total" and ("status", "500") in k[1]]
+
+
 def test_unknown_route_and_method(server):
     r = httpx.get(server + "/v1/nothing")
     assert r.status_code == 404 and "no route" in r.json()["error"]["message"]

@@ -28,7 +28,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -171,12 +171,16 @@ class SpecdecAPI:
                 raise P.APIError(413, f"the request body has {declared} bytes; this server accepts at most "
                                  f"{limit} (--max-body-bytes)", None, "request_too_large")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise P.APIError(413, f"the request body exceeds {limit} bytes (--max-body-bytes)", None,
-                                 "request_too_large")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise P.APIError(413, f"the request body exceeds {limit} bytes (--max-body-bytes)", None,
+                                     "request_too_large")
+                chunks.append(chunk)
+        except ClientDisconnect:  # gone before its body arrived: nobody to answer; counted as 499
+            raise P.APIError(499, "the client closed the connection while sending the body", None,
+                             "client_closed") from None
         return P.decode_body(b"".join(chunks))
 
     def _validate_sampling(self, kwargs: dict) -> None:
