@@ -18,6 +18,9 @@ import tempfile
 import time
 
 
+KEY = "sk-ray-0123456789"
+
+
 def loopback_up() -> None:
     """``ip link set lo up`` without iproute2 (a new network namespace starts with lo down)."""
     siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
@@ -41,6 +44,7 @@ def main(bundle: str, out_path: str) -> int:
 
     from specdec_rt.serve_ray import build_app
     from specdec_rt.serving import ServerConfig
+    from specdec_rt.serving.auth import APIKeys
 
     tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's unix sockets live under it
     with socket.socket() as s:
@@ -50,15 +54,20 @@ def main(bundle: str, out_path: str) -> int:
              log_to_driver=False, configure_logging=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(bundle, num_replicas=2, config=ServerConfig(model_name="tiny"), threads=1,
-                            replica_cpus=0.5), name="specdec", route_prefix="/")
+        config = ServerConfig(model_name="tiny", api_keys=APIKeys([KEY]))
+        serve.run(build_app(bundle, num_replicas=2, config=config, threads=1, replica_cpus=0.5), name="specdec",
+                  route_prefix="/")
         report["startup_s"] = time.monotonic() - t0
         app_status = serve.status().applications["specdec"]
         report["replicas_running"] = sum(
             n for d in app_status.deployments.values() for state, n in d.replica_states.items()
             if str(getattr(state, "value", state)) == "RUNNING")
         url = f"http://127.0.0.1:{port}"
-        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        c = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        auth = {"Authorization": f"Bearer {KEY}"}
+        report["unauthenticated"] = [httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=60).status_code,
+                                     httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"},
+                                               timeout=60).status_code]
         report["models"] = [m.id for m in c.models.list().data]
         report["completions"] = {}
         report["streamed"] = {}
@@ -67,7 +76,7 @@ def main(bundle: str, out_path: str) -> int:
             report["completions"][prompt] = [out.choices[0].text, out.usage.completion_tokens]
             chunks = c.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0, stream=True)
             report["streamed"][prompt] = "".join(ch.choices[0].text for ch in chunks)
-        r = httpx.post(url + "/v1/completions", json={"prompt": "x", "n": 2}, timeout=60)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x", "n": 2}, headers=auth, timeout=60)
         report["bad_request"] = [r.status_code, r.json()]
         pids = set()
         for _ in range(30):
