@@ -32,9 +32,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from specdec_rt.errors import USER_ERRORS
+from specdec_rt.errors import USER_ERRORS, ServerConfigError
 from specdec_rt.runtime.drafter_names import NEEDS_DRAFT_MODEL, NEEDS_HEAD
-from specdec_rt.errors import ServerConfigError
 from specdec_rt.serving import protocol as P
 from specdec_rt.serving.auth import APIKeyMiddleware, APIKeys
 from specdec_rt.serving.generate_route import RequestError, parse_request

@@ -29,9 +29,8 @@ from typing import Any
 from specdec_rt.runtime import drafter_names
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-               405: "invalid_request_error",
-               413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
-               503: "service_unavailable_error", 504: "timeout_error"}
+               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               500: "internal_error", 503: "service_unavailable_error", 504: "timeout_error"}
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 DRAFTERS = (*drafter_names.DRAFTERS, "none")
 SPECULATION = drafter_names.SPECULATIONS
