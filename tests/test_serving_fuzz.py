@@ -121,7 +121,7 @@ def mutate(route: str, base: dict):
 def raw_bodies(route: str):
     """(bytes, content type) strategies below the JSON level."""
     valid = json.dumps(BASES[route]).encode()
-    deep = [b"[" * n + b"]" * n for n in (64, 2_000, 200_000)]
+    deep = [b"[" * n + b"]" * n for n in (64, 950, 2_000, 200_000)]  # 950: decodes, but deep for repr()
     return st.one_of(
         st.integers(0, len(valid) - 1).map(lambda i: (valid[:i], "application/json")),  # truncated
         st.tuples(st.integers(0, len(valid)), st.sampled_from([b"\xff", b"\xc3", b"\xed\xb3\xbf", b"\x00", b"\x80\x80"]))
@@ -130,6 +130,8 @@ def raw_bodies(route: str):
         st.sampled_from(deep).map(lambda d: (d, "application/json")),
         st.sampled_from(deep + [b"[" * 100_000, b"{\"a\":" * 50_000]).map(
             lambda d: (valid[:-1] + b', "bogus": ' + d + b"}", "application/json")),  # deep value, unbalanced too
+        st.tuples(st.sampled_from(FIELDS[route]), st.sampled_from(deep[:2] + [b"{\"a\":" * 900 + b"1" + b"}" * 900]))
+        .map(lambda t: (b'{"' + t[0].encode() + b'": ' + t[1] + b"}", "application/json")),  # a deep field
         st.sampled_from([b'{"prompt": NaN}', b'{"max_tokens": Infinity}', b'{"a": 1e999999}', b"", b"null", b"[]",
                          b'"just a string"', b"{}", b"{" * 10, valid + b"garbage", valid * 2, b"\xef\xbb\xbf" + valid,
                          valid.replace(b"4", b"1" * 5000)]).map(lambda b: (b, "application/json")),
