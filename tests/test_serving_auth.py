@@ -3,6 +3,7 @@ the library's answers with one, the key checked before the body is read, keys ne
 metrics, option errors before the model loads, and HTTPS through the official client."""
 from __future__ import annotations
 
+import collections
 import json
 import os
 import pickle
@@ -51,6 +52,40 @@ def test_no_or_wrong_key_is_401(keyed, method, path, body):
         assert set(err) == {"message", "type", "param", "code"}
         assert err["type"] == "authentication_error" and err["code"] == code, (auth, err)
         assert "Bearer" in err["message"] and KEYS[0] not in r.text
+
+
+def test_fuzzed_authorization_headers_are_401(keyed):
+    """Generated Authorization values (random bytes, near misses of a key: one character changed,
+    cut, extended, another case, another scheme) on a keyed route: all 401, never a 5xx; the key
+    itself passes."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import strategies as st
+
+    key = KEYS[0].encode()
+    legal = st.binary(min_size=1, max_size=120).map(
+        lambda b: bytes(c for c in b if c > 0x20 and c != 0x7f) or b"x")  # what a client can send
+    near = st.one_of(
+        st.tuples(st.integers(0, len(key) - 1), st.integers(0x21, 0x7e)).filter(lambda t: key[t[0]] != t[1])
+        .map(lambda t: key[:t[0]] + bytes([t[1]]) + key[t[0] + 1:]),
+        st.integers(1, len(key) - 1).map(lambda i: key[:i]), legal.map(lambda b: key + b),
+        st.just(key.upper()), st.just(key + key))
+    values = st.one_of(st.tuples(st.sampled_from([b"Bearer ", b"bearer ", b"BEARER  ", b"Basic ", b"Token ", b""]),
+                                 st.one_of(near, legal)).map(lambda t: t[0] + t[1]), legal)
+    seen = collections.Counter()
+    http = httpx.Client(base_url=keyed, timeout=30)
+
+    @settings(max_examples=200, derandomize=True, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(values)
+    def run(value):
+        r = http.get("/v1/models", headers={"Authorization": value})
+        seen[r.status_code] += 1
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (value, r.text)
+
+    with http:
+        run()
+        assert seen == {401: 200}
+        assert http.get("/v1/models", headers={"Authorization": b"Bearer " + key}).status_code == 200
 
 
 def test_right_key_gets_the_library_answer(keyed, tiny_gen):
