@@ -197,10 +197,12 @@ def test_key_sources_are_united(tmp_path):
     (["--ssl-certfile", "{tmp}/cert.pem", "--ssl-keyfile", "{tmp}/missing"], 1, "cannot read"),
     (["--ssl-certfile", "{tmp}/key.pem", "--ssl-keyfile", "{tmp}/key.pem"], 1, "do not load"),
 ])
-def test_security_option_errors_come_before_the_model_loads(tmp_path, capsys, extra, status, says):
+def test_security_option_errors_come_before_the_model_loads(tmp_path, capsys, monkeypatch, extra, status, says):
     """One line on stderr; the bundle does not exist, so an error naming it would mean the model
     was being loaded first."""
     from specdec_rt.serving.cli import main
+
+    monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
 
     make_certificate(tmp_path)
     (tmp_path / "empty").write_text("# no key yet\n")
@@ -224,7 +226,7 @@ def test_non_loopback_without_a_key_warns(tmp_path):
     def run(*extra, env=None):
         return subprocess.run([sys.executable, "-m", "specdec_rt.serving", "--bundle", str(tmp_path / "none"),
                                "--host", "0.0.0.0", *extra], capture_output=True, text=True, timeout=120,
-                              env={**os.environ, **(env or {})})
+                              env={**{k: v for k, v in os.environ.items() if k != "SPECDEC_API_KEY"}, **(env or {})})
 
     r = run()
     assert r.returncode == 1 and r.stderr.startswith("warning: serving on 0.0.0.0 without an API key"), r.stderr
