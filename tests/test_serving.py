@@ -240,7 +240,7 @@ SPECDEC_NULLS = {"num_draft_tokens": None, "drafter": None, "speculation": None,
 def test_nulls_mean_left_out(chat_server, chat_bundle):
     """null for an optional field is the field left out (OpenAI's schema marks them nullable), so a
     request of nulls gets the default answer; ``specdec.drafter`` null is the server's drafter too,
-    not target-only ("none" is; issue 41's fuzz found the two meanings)."""
+    not target-only ("none" is), which it silently was before (issue 41)."""
     import specdec_rt
 
     gen = specdec_rt.load(chat_bundle, threads=1)
