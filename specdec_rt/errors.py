@@ -51,6 +51,11 @@ class UnsupportedGGUFError(GGUFError, UnsupportedArchitectureError):
     export: both an export error and an unsupported architecture, so either ``except`` catches it."""
 
 
+class ServerConfigError(ValueError):
+    """A server option cannot be used: an empty or unreadable API key file, a malformed key, TLS
+    files that do not load (reported before the model loads)."""
+
+
 class ValidationError(RuntimeError):
     """The exported graph disagrees with PyTorch beyond tolerance."""
 
@@ -60,10 +65,10 @@ class ValidationError(RuntimeError):
 USER_ERRORS: tuple[type[BaseException], ...] = (
     BundleError, ContextOverflowError, GenerationInputError, SamplingParamsError,
     BackendUnavailableError, ExportError, UnsupportedArchitectureError, ValidationError,
-    FileNotFoundError,
+    ServerConfigError, FileNotFoundError,
 )
 
 __all__ = ["BundleError", "ContextOverflowError", "GenerationInputError", "ChatTemplateError",
            "SamplingParamsError", "BackendUnavailableError", "ExportError",
            "UnsupportedArchitectureError", "GGUFError", "UnsupportedGGUFError", "ValidationError",
-           "USER_ERRORS"]
+           "ServerConfigError", "USER_ERRORS"]

@@ -16,6 +16,12 @@ or from Python, on a running Ray cluster::
 Each replica applies its own queue limit (429 beyond it) and metrics: ``GET /metrics`` through the
 proxy answers for whichever replica it reaches, so scrape replicas directly or use Ray's
 ``ray_serve_*`` metrics for the fleet (docs/serving.md).
+
+API keys (``--api-key``, ``--api-key-file``, ``SPECDEC_API_KEY``, ``--metrics-requires-key``) are
+checked in each replica, as in ``specdec-serve`` (``ServerConfig.api_keys`` holds digests only, so
+no key travels to the replicas); TLS (``--ssl-keyfile`` / ``--ssl-certfile``) is terminated by Ray's
+HTTP proxy (``serve.start(http_options=...)``), the replicas behind it speak plain HTTP inside the
+cluster.
 """
 from __future__ import annotations
 
@@ -71,7 +77,8 @@ def build_app(bundle: str | Path, num_replicas: int = 2, config=None, provider: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specdec_rt.serving.cli import build_parser, config_from_args
+    from specdec_rt.errors import ServerConfigError
+    from specdec_rt.serving.cli import build_parser, config_from_args, security_options, warn_if_open
 
     ap = build_parser("python -m specdec_rt.serve_ray")
     ap.description = "Serve a bundle with N replicas on Ray Serve (same routes as specdec-serve)."
@@ -82,6 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--ray-address", default=None, help="an existing cluster (e.g. auto); default: start a "
                    "local Ray instance")
     args = ap.parse_args(argv)
+    try:
+        api_keys = security_options(args, ap)
+    except ServerConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    warn_if_open(args.host, api_keys)
     try:
         import ray
         from ray import serve
@@ -96,11 +109,13 @@ def main(argv: list[str] | None = None) -> int:
         ray.init(address=args.ray_address)
     else:
         ray.init(include_dashboard=False, _node_ip_address=args.host if args.host != "0.0.0.0" else None)
-    serve.start(http_options={"host": args.host, "port": args.port})
-    app = build_app(bundle, args.replicas, config_from_args(args, bundle), args.provider, args.draft_provider,
-                    args.threads or 1, args.max_context, args.replica_cpus, malloc_arenas=args.malloc_arenas)
-    print(f"specdec-rt on Ray Serve: {args.replicas} replicas of {bundle} on http://{args.host}:{args.port}",
-          flush=True)
+    tls = {"ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile} if args.ssl_certfile else {}
+    serve.start(http_options={"host": args.host, "port": args.port, **tls})
+    app = build_app(bundle, args.replicas, config_from_args(args, bundle, api_keys), args.provider,
+                    args.draft_provider, args.threads or 1, args.max_context, args.replica_cpus,
+                    malloc_arenas=args.malloc_arenas)
+    print(f"specdec-rt on Ray Serve: {args.replicas} replicas of {bundle} on {'https' if tls else 'http'}://"
+          f"{args.host}:{args.port} ({len(api_keys) if api_keys else 'no'} API key(s))", flush=True)
     try:
         serve.run(app, name="specdec", route_prefix="/", blocking=True)
     except KeyboardInterrupt:

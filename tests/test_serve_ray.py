@@ -1,5 +1,6 @@
 """Scale-out on Ray Serve: a local Ray instance, 2 replicas of the server behind Ray's HTTP proxy,
-requests through the official openai client. Runs in a network namespace with only loopback
+requests over HTTPS (TLS at Ray's proxy) through the official openai client with an API key
+(401 without). Runs in a network namespace with only loopback
 (``unshare -rn``), because Ray's gRPC servers listen on all interfaces whatever the node address."""
 from __future__ import annotations
 
@@ -53,8 +54,22 @@ def test_two_replicas_behind_ray_serve(tiny_pair, tiny_gen, tmp_path):
         want = tiny_gen.generate(prompt, max_new_tokens=16, temperature=0)
         assert text == want.text and n == len(want.token_ids)
         assert rep["streamed"][prompt] == want.text
+    assert rep["url"].startswith("https://")  # TLS at Ray's HTTP proxy (http_options ssl_keyfile / ssl_certfile)
+    assert rep["unauthenticated"] == [401, 401]  # keys (ServerConfig.api_keys) checked in the replicas
     status, body = rep["bad_request"]
     assert status == 400 and body["error"]["param"] == "n"
     assert rep["health_pids"] == 2  # both replicas answered
     assert rep["metrics_ok"]
     assert rep["total_s"] < 240
+
+
+def test_ray_entry_point_checks_security_options_first(tmp_path, capsys):
+    """python -m specdec_rt.serve_ray takes specdec-serve's key and TLS options, checked before Ray
+    starts (TLS then goes to Ray's HTTP proxy: serve.start(http_options=...))."""
+    from specdec_rt.serve_ray import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--bundle", str(tmp_path), "--ssl-certfile", str(tmp_path / "cert.pem")])
+    assert exc.value.code == 2 and "go together" in capsys.readouterr().err
+    assert main(["--bundle", str(tmp_path), "--api-key-file", str(tmp_path / "none")]) == 1
+    assert capsys.readouterr().err.startswith("error: cannot read --api-key-file")

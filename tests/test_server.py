@@ -82,6 +82,8 @@ def test_generate_streamed(server, tiny_pair):
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"prompt": "x", "max_new_tokens": 0}, "max_new_tokens"),
     ({"prompt": "x", "max_new_tokens": "5"}, "max_new_tokens"),
+    ({"prompt": "x", "temperature": 10 ** 400}, "temperature"),
+    ({"prompt": "x", "top_p": 10 ** 400, "temperature": 1}, "top_p"),
     ({"prompt": "x", "drafter": "nope"}, "drafter"),
     ({"prompt": ""}, "empty"),
     ({"max_new_tokens": 3}, "prompt"),
@@ -92,6 +94,13 @@ def test_bad_input_is_400(server, body, needle):
     resp, payload = _request(server, "POST", "/generate", body)
     assert resp.status == 400, payload
     assert needle in json.loads(payload)["error"]
+
+
+def test_integer_sampling_values_beyond_int64(server):
+    """temperature / top_p as integers beyond int64 reached the runtime as Python ints, where numpy's
+    check raised TypeError: a 500 (issue 41's fuzz). They are floats now: 2**64 is a temperature."""
+    resp, payload = _request(server, "POST", "/generate", {"prompt": "x", "temperature": 2 ** 64, "max_new_tokens": 2})
+    assert resp.status == 200, payload
 
 
 def test_bad_input_streamed_is_400(server):

@@ -230,6 +230,40 @@ def test_chat_equals_library(chat_server, chat_bundle):
         .choices[0].message.content == want.text
 
 
+COMPLETION_NULLS = ["model", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n", "user", "ignore_eos",
+                    "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "echo", "best_of", "suffix"]
+CHAT_NULLS = ["max_completion_tokens", "top_logprobs", "tools", "tool_choice", "response_format",
+              "parallel_tool_calls", "chat_template_kwargs", "metadata", "store", "service_tier"]
+SPECDEC_NULLS = {"num_draft_tokens": None, "drafter": None, "speculation": None, "timeout": None}
+
+
+def test_nulls_mean_left_out(chat_server, chat_bundle):
+    """null for an optional field is the field left out (OpenAI's schema marks them nullable), so a
+    request of nulls gets the default answer; ``specdec.drafter`` null is the server's drafter too,
+    not target-only ("none" is), which it silently was before (issue 41)."""
+    import specdec_rt
+
+    gen = specdec_rt.load(chat_bundle, threads=1)
+    base = {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0}
+    want = gen.generate(PROMPTS[0], max_new_tokens=12, temperature=0).text
+    body = {**base, **dict.fromkeys(COMPLETION_NULLS), "specdec": SPECDEC_NULLS}
+    r = httpx.post(chat_server + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+    assert httpx.post(chat_server + "/v1/completions", json={**base, "specdec": None}).json()["choices"][0]["text"] == want
+    body = {"messages": [{**MESSAGES[0], "name": None}, MESSAGES[1]],
+            "max_tokens": 12, "temperature": 0, **dict.fromkeys(COMPLETION_NULLS[:10] + CHAT_NULLS)}
+    r = httpx.post(chat_server + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == gen.chat(MESSAGES, max_new_tokens=12, temperature=0).text
+    from specdec_rt.serving import protocol as P
+
+    defaults = {"num_draft_tokens": "auto", "drafter": "model", "speculation": "chain", "tree_drafter": "eagle"}
+    for ext, drafter in ((SPECDEC_NULLS, "model"), ({"drafter": "none"}, None), ({"speculation": "tree"}, "eagle"),
+                         ({"speculation": "tree", "drafter": None}, "eagle")):
+        req = P.parse_completion({"prompt": "x", "specdec": ext}, "tiny", defaults, 100, None)
+        assert req.gen_kwargs["drafter"] == drafter, ext
+
+
 def test_next_chat_turn_reuses_the_conversation(chat_server, chat_bundle):
     """A chat's second turn through the server: the prompt tokens its first turn left in the
     cache are reused (usage.prompt_tokens_details.cached_tokens, prompt_tokens_cached_total)
@@ -321,6 +355,8 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "max_tokens": 256}, 400, "context_length_exceeded", "max_tokens"),
     ("/v1/completions", {"prompt": "x", "temperature": -0.5}, 400, "invalid_value", "temperature"),
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "invalid_type", "temperature"),
+    ("/v1/completions", {"prompt": "x", "temperature": 10 ** 400}, 400, "invalid_value", "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": -10 ** 400}, 400, "invalid_value", "top_p"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "invalid_value", "top_p"),
     ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "invalid_value", "top_p"),
     ("/v1/completions", {"prompt": "x", "top_k": -2}, 400, "invalid_value", "top_k"),
@@ -376,6 +412,40 @@ def test_bad_input_is_4xx(server, path, body, status, code, param):
     assert httpx.get(server + "/health").status_code == 200
 
 
+def test_error_bodies_echoing_a_lone_surrogate_render():
+    """A lone surrogate in an error's message or param (echoed request text) rendered by the
+    shared error path was a UnicodeEncodeError inside it: a 500 instead of the error (issue 41)."""
+    from specdec_rt.serving import protocol as P
+    from specdec_rt.serving.app import error_response
+
+    r = error_response(P.APIError(404, "the model 'a\udcffb' does not exist", "\ud800", "model_not_found"))
+    err = json.loads(r.body)["error"]
+    assert r.status_code == 404 and err["message"] == "the model 'a\\udcffb' does not exist"
+    assert err["param"] == "\\ud800"
+    assert b"\\udcff" in P.ChunkWriter.error(P.APIError(400, "x\udcff"))
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", b'{"prompt": "a\\udcffb", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", b'{"prompt": "x", "\\udcff": 1}', "\\udcff"),
+    ("/v1/completions", b'{"prompt": "x", "model": "a\\udcffb"}', "model"),
+    ("/v1/completions", b'{"prompt": "x", "stop": ["ok", "\\ude00\\ud83d"]}', "stop[1]"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi \\uDBFF"}]}', "messages[0].content"),
+])
+def test_lone_surrogates_are_400(server, path, body, param):
+    """JSON escapes can spell a lone UTF-16 surrogate, a str no encoder takes: a prompt holding one
+    was a 500 (the tokenizer's TypeError), an error echoing one a 500 from the renderer; the body
+    decoder refuses them, naming where (issue 41). A surrogate pair is ordinary text."""
+    r = httpx.post(server + path, content=body, headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["code"] == "invalid_value" and "lone UTF-16 surrogate" in err["message"]
+    r = httpx.post(server + "/generate", content=b'{"prompt": "x\\udcff"}', timeout=60)
+    assert r.status_code == 400 and "lone UTF-16 surrogate" in r.json()["error"]
+    r = httpx.post(server + "/v1/completions", content=b'{"prompt": "x\\ud83d\\ude00", "max_tokens": 2}', timeout=60)
+    assert r.status_code == 200, r.text
+
+
 def test_bad_input_through_the_client(server):
     c = client(server)
     with pytest.raises(openai.BadRequestError, match="'n' must be 1"):
@@ -399,6 +469,23 @@ def test_oversized_body_is_413(tiny_pair):
         r = httpx.post(url + "/v1/completions", content=chunked())
         assert r.status_code == 413 and "1000 bytes" in r.json()["error"]["message"]
         assert httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_client_gone_mid_body_is_499_not_500(server):
+    """A client that closes the connection before its body has arrived was an unhandled
+    ClientDisconnect: a logged traceback and a 500 in /metrics (issue 41's fuzz); now a 499."""
+    import socket
+
+    before = metrics(server)
+    host, port = server[len("http://"):].split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+    key = ("specdec:http_requests_total", (("method", "POST"), ("route", "/v1/completions"), ("status", "499")))
+    deadline = time.monotonic() + 10
+    while metrics(server).get(key, 0) == before.get(key, 0):
+        assert time.monotonic() < deadline, "the disconnect was not counted as 499"
+        time.sleep(0.02)
+    assert not [k for k in metrics(server) if k[0] == "specdec:http_requests_total" and ("status", "500") in k[1]]
 
 
 def test_unknown_route_and_method(server):

@@ -3,8 +3,9 @@
 * :mod:`.scheduler`: the bounded queue and the worker in front of one generator (stdlib only);
 * :mod:`.protocol`: OpenAI request validation and response / chunk bodies (stdlib only);
 * :mod:`.metrics`: Prometheus series named after vLLM's (prometheus-client);
+* :mod:`.auth`: API keys (sources, digests, the 401 middleware);
 * :mod:`.app`: the Starlette application, :func:`create_app`;
-* :mod:`.cli`: ``specdec-serve`` on uvicorn, draining on SIGTERM;
+* :mod:`.cli`: ``specdec-serve`` on uvicorn (TLS, keys), draining on SIGTERM;
 * :mod:`.loadtest`: the load / fault test behind docs/serving.md's figures.
 
 Scale-out over several processes or machines: :mod:`specdec_rt.serve_ray`.

@@ -3,7 +3,8 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``
 (``/v1/models/{id}``), ``GET /health``, ``GET /metrics`` and the deprecated ``POST /generate``
 (the body and answers of the removed stdlib server, kept for existing clients; bodies are checked
-by :mod:`.generate_route`).
+by :mod:`.generate_route`). With ``ServerConfig.api_keys`` every route but ``/health`` (and
+``/metrics`` unless ``metrics_requires_key``) answers 401 without a valid key (:mod:`.auth`).
 
 Request flow: read the body (size-limited), validate it (:mod:`.protocol`), tokenize / render the
 chat template in a worker thread, check the context, submit to the scheduler (429 when its queue
@@ -27,13 +28,14 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from specdec_rt.errors import USER_ERRORS
+from specdec_rt.errors import USER_ERRORS, ServerConfigError
 from specdec_rt.runtime.drafters.names import NEEDS_DRAFT_MODEL, NEEDS_HEAD
 from specdec_rt.serving import protocol as P
+from specdec_rt.serving.auth import APIKeyMiddleware, APIKeys
 from specdec_rt.serving.generate_route import RequestError, parse_request
 from specdec_rt.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from specdec_rt.serving.scheduler import Draining, GenSpec, QueueFull, make_scheduler
@@ -63,6 +65,10 @@ class ServerConfig:
     # (specdec-serve does; off here so that embedding apps and tests start at once)
     warm_up: bool = False
     info: dict[str, Any] = field(default_factory=dict)  # shown by /health (provider, ...)
+    # None: no key needed; else every path but /health (and /metrics, unless metrics_requires_key)
+    # needs 'Authorization: Bearer <key>' (auth.py; digests only, so the repr holds no key)
+    api_keys: APIKeys | None = None
+    metrics_requires_key: bool = False
 
 
 def error_response(err: P.APIError) -> JSONResponse:
@@ -163,17 +169,17 @@ class SpecdecAPI:
                 raise P.APIError(413, f"the request body has {declared} bytes; this server accepts at most "
                                  f"{limit} (--max-body-bytes)", None, "request_too_large")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise P.APIError(413, f"the request body exceeds {limit} bytes (--max-body-bytes)", None,
-                                 "request_too_large")
-            chunks.append(chunk)
         try:
-            body = P.JSON.decode(b"".join(chunks).decode("utf-8"))
-        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-            raise P.bad(f"the body is not valid JSON: {exc}", None, "invalid_json") from None
-        return body
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise P.APIError(413, f"the request body exceeds {limit} bytes (--max-body-bytes)", None,
+                                     "request_too_large")
+                chunks.append(chunk)
+        except ClientDisconnect:  # gone before its body arrived: nobody to answer; counted as 499
+            raise P.APIError(499, "the client closed the connection while sending the body", None,
+                             "client_closed") from None
+        return P.decode_body(b"".join(chunks))
 
     def _validate_sampling(self, kwargs: dict) -> None:
         """The checks the runtime makes when the generation starts, made before queueing."""
@@ -355,7 +361,7 @@ class SpecdecAPI:
     # -- the deprecated /generate route (body and answers of the old stdlib server) ---------------------
     async def generate(self, request: Request) -> Response:
         def legacy_error(status: int, message: str) -> JSONResponse:
-            return JSONResponse({"error": message}, status_code=status)
+            return JSONResponse({"error": P.encodable(message)}, status_code=status)
 
         try:
             body = await self.read_json(request)
@@ -436,6 +442,8 @@ def create_app(generator, config: ServerConfig | None = None, scheduler=None) ->
     """The ASGI app serving ``generator``. ``app.state.api`` holds the handlers, the scheduler and the
     metrics; the lifespan starts the scheduler's worker and drains it on shutdown."""
     config = config or ServerConfig()
+    if config.metrics_requires_key and config.api_keys is None:
+        raise ServerConfigError("metrics_requires_key needs API keys (ServerConfig.api_keys)")
     api = SpecdecAPI(generator, config, scheduler)
 
     @contextlib.asynccontextmanager
@@ -475,6 +483,9 @@ def create_app(generator, config: ServerConfig | None = None, scheduler=None) ->
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={P.APIError: on_api_error, HTTPException: on_http_error, Exception: on_error})
+    if config.api_keys is not None:  # inside the metrics middleware: 401s are counted too
+        open_paths = {"/health"} if config.metrics_requires_key else {"/health", "/metrics"}
+        app.add_middleware(APIKeyMiddleware, keys=config.api_keys, open_paths=open_paths)
     app.add_middleware(MetricsMiddleware, metrics=api.metrics)
     app.state.api = api
     return app

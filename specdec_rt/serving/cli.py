@@ -8,14 +8,17 @@ A second SIGINT forces the exit.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import os
 import signal
 import socket
+import ssl
 import sys
 from pathlib import Path
 
 from specdec_rt.cli.common import bounded_int, draft_tokens_arg, positive_int
-from specdec_rt.errors import USER_ERRORS
+from specdec_rt.errors import USER_ERRORS, ServerConfigError
 
 
 def _timeout(value: str) -> float | None:
@@ -105,11 +108,66 @@ def build_parser(prog: str = "specdec-serve") -> argparse.ArgumentParser:
                    "after the warm-up (cost model of 'auto' for every batch width, first call of every "
                    "decoding path; ~0.3 s on the reference pair once the cost model is cached on disk)")
     g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
-    g.add_argument("--access-log", action="store_true", help="log every request")
+    g.add_argument("--access-log", action="store_true", help="log every request (method, path, status: "
+                   "never headers, so never a key)")
+    g = ap.add_argument_group("security (docs/serving.md, 'Exposing the server')")
+    g.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (the openai client's api_key) on every route but "
+                        "/health and /metrics; repeatable. The process list shows it to other users of the "
+                        "machine: prefer --api-key-file or the SPECDEC_API_KEY environment variable. Keys of "
+                        "the flags, the file and the variable all count")
+    g.add_argument("--api-key-file", metavar="FILE", help="keys, one a line (blank lines and lines starting with "
+                   "# ignored); a missing or empty file is an error")
+    g.add_argument("--metrics-requires-key", action="store_true", help="/metrics needs a key too (default: open "
+                   "like /health, for scrapers on a trusted network; Prometheus can send one: "
+                   "authorization.credentials_file)")
+    g.add_argument("--ssl-keyfile", metavar="FILE", help="serve HTTPS: the private key (PEM, unencrypted); "
+                   "with --ssl-certfile")
+    g.add_argument("--ssl-certfile", metavar="FILE", help="serve HTTPS: the certificate chain (PEM); "
+                   "with --ssl-keyfile")
     return ap
 
 
-def config_from_args(args, bundle: Path):
+def security_options(args, ap: argparse.ArgumentParser, env=os.environ):
+    """The API keys (or None) from the flags, the key file and ``SPECDEC_API_KEY``, after checking
+    the key and TLS options: called before the model loads, so a typo costs no load time.
+    Combinations are usage errors (exit 2); unusable files raise ServerConfigError."""
+    from specdec_rt.serving.auth import load_api_keys
+
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        ap.error("--ssl-keyfile and --ssl-certfile go together")
+    keys = load_api_keys(args.api_key, args.api_key_file, env)
+    if args.metrics_requires_key and keys is None:
+        ap.error("--metrics-requires-key needs a key (--api-key, --api-key-file or SPECDEC_API_KEY)")
+    if args.ssl_certfile:
+        check_tls_files(args.ssl_certfile, args.ssl_keyfile)
+    return keys
+
+
+def check_tls_files(certfile: str, keyfile: str) -> None:
+    """Load the pair the way uvicorn will, so that an unreadable file, a key that does not match
+    the certificate or an encrypted key (OpenSSL would prompt on the terminal) is one line now."""
+    def no_password():
+        raise ServerConfigError(f"--ssl-keyfile {keyfile} is encrypted; give an unencrypted key "
+                                "(readable only by the server's user)")
+
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(certfile, keyfile, password=no_password)
+    except OSError as exc:
+        if isinstance(exc, ssl.SSLError):
+            raise ServerConfigError(f"--ssl-certfile {certfile} and --ssl-keyfile {keyfile} do not load as a "
+                                    f"PEM certificate chain and its private key ({exc.reason or exc})") from None
+        raise ServerConfigError(f"cannot read {exc.filename or 'the TLS files'}: {exc.strerror}") from None
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def config_from_args(args, bundle: Path, api_keys=None):
     from specdec_rt.serving.app import ServerConfig
 
     return ServerConfig(
@@ -118,11 +176,13 @@ def config_from_args(args, bundle: Path):
         request_timeout=args.request_timeout, max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,
         metrics_prefix=args.metrics_prefix, drain_timeout=args.drain_timeout, warm_up=not args.no_warm_up,
-        info={"provider": args.provider, "draft_provider": args.draft_provider or args.provider})
+        info={"provider": args.provider, "draft_provider": args.draft_provider or args.provider},
+        api_keys=api_keys, metrics_requires_key=args.metrics_requires_key)
 
 
 def main(argv: list[str] | None = None, prog: str = "specdec-serve") -> int:
-    args = build_parser(prog).parse_args(argv)
+    ap = build_parser(prog)
+    args = ap.parse_args(argv)
     try:
         import uvicorn
 
@@ -131,6 +191,12 @@ def main(argv: list[str] | None = None, prog: str = "specdec-serve") -> int:
         print(f"error: the server needs the [server] extra (pip install 'specdec-rt[server]'): {exc}",
               file=sys.stderr)
         return 1
+    try:
+        api_keys = security_options(args, ap)
+    except ServerConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    warn_if_open(args.host, api_keys)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     limit_malloc_arenas(args.malloc_arenas)  # before ONNX Runtime and the server start threads
     bundle = Path(args.bundle)
@@ -147,7 +213,7 @@ def main(argv: list[str] | None = None, prog: str = "specdec-serve") -> int:
                               suffix_pool=None if args.suffix_pool == "off" else specdec_rt.SuffixPool(
                                   args.suffix_pool_tokens, per_user=args.suffix_pool == "per-user"),
                               prefix_cache={"off": False, "shared": True}.get(args.prefix_cache, args.prefix_cache))
-        config = config_from_args(args, bundle)
+        config = config_from_args(args, bundle, api_keys)
         app = create_app(gen, config)
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -162,13 +228,24 @@ def main(argv: list[str] | None = None, prog: str = "specdec-serve") -> int:
         return 1
     host, port = sock.getsockname()[:2]
     uv_config = uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log,
-                               timeout_graceful_shutdown=args.drain_timeout, lifespan="on")
+                               timeout_graceful_shutdown=args.drain_timeout, lifespan="on",
+                               ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
     server = draining_server_class()(uv_config, on_drain=app.state.api.scheduler.begin_drain)
     rows = app.state.api.scheduler.capacity
-    print(f"specdec-rt serving {bundle} as '{config.model_name}' on http://{host}:{port} ({args.provider}, "
-          f"{f'batches of up to {rows} rows' if rows > 1 else 'serial'}); OpenAI base URL: /v1", flush=True)
+    keys = f"{len(api_keys)} API key(s)" if api_keys else "no API key"
+    print(f"specdec-rt serving {bundle} as '{config.model_name}' on {'https' if args.ssl_certfile else 'http'}://"
+          f"{host}:{port} ({args.provider}, {f'batches of up to {rows} rows' if rows > 1 else 'serial'}, {keys}); "
+          "OpenAI base URL: /v1", flush=True)
     server.run(sockets=[sock])
     return 0
+
+
+def warn_if_open(host: str, api_keys) -> None:
+    """One line on stderr when a non-loopback address is served without a key."""
+    if api_keys is None and not is_loopback(host):
+        print(f"warning: serving on {host} without an API key: anyone who can reach this port can generate; "
+              "set --api-key-file or SPECDEC_API_KEY (docs/serving.md, 'Exposing the server')", file=sys.stderr,
+              flush=True)
 
 
 def draining_server_class():

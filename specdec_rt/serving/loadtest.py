@@ -318,7 +318,7 @@ def start_server(bundle: str, extra: list[str], threads: int | None, env=None) -
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
     proc.err_file = err
     line = proc.stdout.readline()
-    if " on http://" not in line:
+    if " on http" not in line:  # http:// or https://
         proc.kill()
         proc.wait()
         raise RuntimeError(f"the server did not start: {line}{server_log(proc)[-2000:]}")

@@ -11,11 +11,16 @@ Extensions (vLLM's names where vLLM has them): ``top_k`` (0 or -1: off), ``ignor
 ``chat_template_kwargs`` (chat), and ``specdec``: ``{"num_draft_tokens": 0..64 | "auto",
 "drafter": "model" | "prompt_lookup" | "hybrid" | "suffix" | "suffix_hybrid" | "eagle" | "none", "speculation": "chain" | "tree", "timeout": s}``
 overriding the server's defaults for one request.
+
+``null`` for an optional field, ``specdec``'s included, means the field was left out, as in
+OpenAI's API (its schema marks them nullable): the default applies. Target-only decoding is
+``"drafter": "none"``, never ``null``.
 """
 from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -23,9 +28,9 @@ from typing import Any
 
 from specdec_rt.runtime.drafters import names as drafter_names
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-               413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
-               503: "service_unavailable_error", 504: "timeout_error"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               500: "internal_error", 503: "service_unavailable_error", 504: "timeout_error"}
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 DRAFTERS = (*drafter_names.DRAFTERS, "none")
 SPECULATION = drafter_names.SPECULATIONS
@@ -46,7 +51,17 @@ class APIError(Exception):
         self.type = type or ERROR_TYPES.get(status, "invalid_request_error")
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        """The error object; message and param may echo request text, so they are made encodable
+        here, once for every renderer (JSON responses, in-band stream errors, /generate)."""
+        return {"error": {"message": encodable(self.message), "type": self.type,
+                          "param": None if self.param is None else encodable(self.param), "code": self.code}}
+
+
+def encodable(text: str) -> str:
+    """``text`` with every character UTF-8 cannot encode (a lone surrogate such as ``"\\udcff"``,
+    which JSON escapes may carry into a decoded string) written as its escape, so that rendering
+    an error that echoes the request can never fail."""
+    return text if _is_unicode(text) else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -58,6 +73,53 @@ def reject_constant(name: str):
 
 
 JSON = json.JSONDecoder(parse_constant=reject_constant)  # NaN / Infinity refused; one decoder for all bodies
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def decode_body(raw: bytes) -> Any:
+    """A request body as Python objects (every route's one decoder): 400 unless it is UTF-8 JSON
+    whose strings are Unicode text. JSON's ``\\uXXXX`` escapes can spell a lone UTF-16
+    surrogate, which decodes to a str nothing downstream can encode (the tokenizer raised a
+    TypeError: a 500), so such a string is refused here, naming where it is."""
+    try:
+        body = JSON.decode(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise bad(f"the body is not valid JSON: {exc}", None, "invalid_json") from None
+    if SURROGATE_ESCAPE.search(raw):  # only escapes can make one: skip the walk otherwise
+        where = lone_surrogate(body)
+        if where is not None:
+            where = where[:200]
+            raise bad(f"the string at {where} holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape "
+                      "not part of a pair): not Unicode text", where, "invalid_value")
+    return body
+
+
+def lone_surrogate(obj: Any) -> str | None:
+    """Where the first string (key or value) holding a lone surrogate is in a decoded JSON value
+    (``"prompt"``, ``"messages[0].content"``, ``"(body)"``), or None; iterative, for any depth."""
+    stack: list[tuple[Any, str]] = [(obj, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not _is_unicode(value):
+                return path or "(body)"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                name = f"{path}.{key}" if path else key
+                if not _is_unicode(key):
+                    return encodable(name)
+                stack.append((item, name))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
+    return None
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 # -- field checks ------------------------------------------------------------------------------
@@ -87,9 +149,13 @@ def get_float(body: dict, name: str, param: str | None = None) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad(f"'{param}' must be a number, got {_type_name(value)} {value!r:.40}", param, "invalid_type")
+    try:  # a JSON integer beyond float's range made math.isfinite raise OverflowError: a 500
+        value = float(value)
+    except OverflowError:
+        value = math.inf
     if not math.isfinite(value):
         raise bad(f"'{param}' must be finite", param, "invalid_value")
-    return float(value)
+    return value
 
 
 def get_bool(body: dict, name: str, param: str | None = None) -> bool | None:
@@ -206,12 +272,12 @@ def _common(body: dict, kind: str, accepted: set[str], served_model: str, defaul
                 k = get_int(ext, "num_draft_tokens", 0, 64, "specdec.num_draft_tokens")
             if k is not None:
                 spec["num_draft_tokens"] = k
-        if "drafter" in ext:
-            d = ext["drafter"]
-            if d is not None and d not in DRAFTERS:
+        d = ext.get("drafter")
+        if d is not None:
+            if d not in DRAFTERS:
                 raise bad(f"'specdec.drafter' must be one of {', '.join(DRAFTERS)}, got {d!r:.40}",
                           "specdec.drafter", "invalid_value")
-            spec["drafter"] = None if d in (None, "none") else d
+            spec["drafter"] = None if d == "none" else d
         if ext.get("speculation") is not None:
             if ext["speculation"] not in SPECULATION:
                 raise bad(f"'specdec.speculation' must be 'chain' or 'tree', got {ext['speculation']!r:.40}",
@@ -222,7 +288,7 @@ def _common(body: dict, kind: str, accepted: set[str], served_model: str, defaul
             if t <= 0:
                 raise bad("'specdec.timeout' must be > 0 seconds", "specdec.timeout", "invalid_value")
             req.timeout = t
-    if not (isinstance(ext, dict) and "drafter" in ext):
+    if not (isinstance(ext, dict) and ext.get("drafter") is not None):
         spec["drafter"] = server_drafter(defaults, spec.get("speculation"))
     if max_timeout is not None:
         req.timeout = max_timeout if req.timeout is None else min(req.timeout, max_timeout)
