@@ -238,8 +238,12 @@ def run_spec_bench(cfg: SpecBenchConfig) -> dict:
             bar.close()
         for c in closers:
             c.__exit__(None, None, None)
-    return summarize(cfg, questions, prompts, systems, runs, gen, skipped,
-                     resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0)
+    results = summarize(cfg, questions, prompts, systems, runs, gen, skipped,
+                        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0)
+    results["title"] = cfg.title
+    results["settings"]["ignore_eos"] = not cfg.stop_at_eos
+    results["settings"]["llama_cpp_omp_wait_policy"] = cfg.peer_omp_wait_policy or "OpenMP's default (unset)"
+    return results
 
 
 def _agg(outcomes: list[Outcome]) -> dict:
@@ -294,15 +298,13 @@ def summarize(cfg, questions, prompts, systems, runs, gen, skipped, peak_rss_mb)
     overall = rows_for(list(range(len(questions))))
     return {
         "suite": "spec-bench",
-        "title": cfg.title,
         "machine": machine_description(),
         "bundle": str(cfg.bundle),
         "models": {r: {k: m.get(k) for k in ("family", "num_parameters", "num_layers", "quantization", "quant_block_size")}
                    for r, m in gen.bundle.manifest["models"].items()},
         "settings": {"questions": cfg.questions, "categories": categories, "per_category": cfg.per_category,
                      "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats, "threads": cfg.threads,
-                     "greedy": True, "ignore_eos": not cfg.stop_at_eos, "target_min_rows": gen.target.min_rows,
-                     "llama_cpp_omp_wait_policy": cfg.peer_omp_wait_policy or "OpenMP's default (unset)"},
+                     "greedy": True, "ignore_eos": True, "target_min_rows": gen.target.min_rows},
         "prompt_tokens": {str(q.question_id): len(p) for q, p in zip(questions, prompts)},
         "peak_rss_mb": peak_rss_mb,
         "overall": overall,
