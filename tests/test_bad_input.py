@@ -59,6 +59,8 @@ def test_every_drafter_ends_at_the_context_end_where_plain_decoding_does(tiny_pa
     (dict(temperature=1.0, top_k=-2), "top_k"),
     (dict(temperature=1.0, top_p=0.0), "top_p"),
     (dict(temperature=1.0, top_p=1.5), "top_p"),
+    (dict(temperature=10 ** 400), "temperature"),  # an int no float holds (was a TypeError past int64)
+    (dict(temperature=1.0, top_p=-(10 ** 30)), "top_p"),
 ])
 def test_invalid_sampling_values(tiny_gen, kwargs, word):
     with pytest.raises(SamplingParamsError, match=word):

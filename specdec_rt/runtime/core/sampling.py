@@ -7,11 +7,21 @@ output distribution (transformers #47932).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from specdec_rt.errors import SamplingParamsError  # noqa: F401 - defined there, re-exported here
+
+
+def _finite(x: int | float) -> bool:
+    """A finite float, or an int a float can hold (``np.isfinite`` raises TypeError on ints past
+    int64, ``math.isfinite`` OverflowError past float's range)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -22,11 +32,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         t, k, p = self.temperature, self.top_k, self.top_p
-        if not isinstance(t, (int, float)) or not np.isfinite(t) or t < 0:
+        if not isinstance(t, (int, float)) or not _finite(t) or t < 0:
             raise SamplingParamsError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
             raise SamplingParamsError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
-        if not isinstance(p, (int, float)) or not np.isfinite(p) or not 0 < p <= 1:
+        if not isinstance(p, (int, float)) or not _finite(p) or not 0 < p <= 1:
             raise SamplingParamsError(f"top_p must be in (0, 1] (1 = off), got {p!r}")
 
     @property
