@@ -39,9 +39,20 @@ if [ ! -f "$SRC/CMakeLists.txt" ]; then
   rm -rf "$tmp"
 fi
 
+# Native CPU flags, except on CPUs with AMX: this tree's AMX path crashes there (llama-completion
+# exits with SIGSEGV at its first call on Q4_K_M files on an AMX Xeon; --no-repack avoids it), so
+# the build names the AVX-512 / VNNI extensions itself and leaves AMX out: the fastest working build.
+cpu_flags=(-DGGML_NATIVE=ON)
+if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
+  cpu_flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+             -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
+             -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+  echo "== AMX CPU: building with explicit AVX-512 / VNNI flags and without AMX (its path crashes here)"
+fi
+
 echo "== configuring ($BUILD)"
 cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
-    -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+    "${cpu_flags[@]}" -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_HIP=OFF -DGGML_SYCL=OFF \
     -DGGML_OPENCL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF
 
