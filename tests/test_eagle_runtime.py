@@ -270,16 +270,21 @@ def test_server_auto_drafter_is_the_cheaper_one(eagle_pair, eagle_gen, tiny_gen,
     measured = store.cheaper_drafter()
     assert store.head_step is not None and store.head_step > 0 and store.cost_model.draft_step > 0
     assert measured == ("eagle" if store.head_step <= store.cost_model.draft_step else "model")
-    store.head_step = store.cost_model.draft_step * 2  # a head dearer than the draft model
-    api = SpecdecAPI(gen, ServerConfig(model_name="both"))
-    # the draft is the target itself (c ~ 1): chains draft where the suffix match is weak only
-    assert api.defaults["tree_drafter"] == "model" and api.defaults["drafter"] == "suffix_hybrid"
-    assert SpecdecAPI(gen, ServerConfig(model_name="both", speculation="tree")).defaults["drafter"] == "model"
     cost = store.cost_model
     saved = cost.draft_step
-    cost.draft_step = 0.05 * cost.target(1)  # a draft as cheap as the reference pair's
+
+    def chain_default(share: float) -> str:  # the draft's cost as this share of a target step
+        cost.draft_step = share * cost.target(1)
+        store.head_step = 10 * cost.target(1)  # a head dearer than any of these drafts
+        return SpecdecAPI(gen, ServerConfig(model_name="both")).defaults["drafter"]
+
     try:
-        assert SpecdecAPI(gen, ServerConfig(model_name="both")).defaults["drafter"] == "model"
+        assert chain_default(0.05) == "model"  # as cheap as the reference pair's draft
+        assert chain_default(0.25) == "suffix_hybrid"  # dearer: suffix where sure, the model elsewhere
+        assert chain_default(0.5) == "suffix"  # dearer still: suffix matching alone
+        api = SpecdecAPI(gen, ServerConfig(model_name="both"))
+        assert api.defaults["tree_drafter"] == "model"  # trees need the model (or the head)
+        assert SpecdecAPI(gen, ServerConfig(model_name="both", speculation="tree")).defaults["drafter"] == "model"
     finally:
         cost.draft_step = saved  # the module's generator is shared by later tests
     store.head_step = store.cost_model.draft_step / 2

@@ -59,7 +59,7 @@ def test_rollback_leaves_cache_equal_to_fresh_prefill(tiny_pair, any_gen):
     """After many accept/reject rounds, the committed cache equals a fresh prefill's."""
     prompt = PROMPTS[1]
     tiny_gen = any_gen
-    out = tiny_gen.generate_ids(prompt, max_new_tokens=48, num_draft_tokens=4, ignore_eos=True)
+    out = tiny_gen.generate_ids(prompt, max_new_tokens=48, num_draft_tokens=4, drafter="model", ignore_eos=True)
     stats = tiny_gen.last_stats
     assert 0 < stats.accepted < stats.proposed  # both accepts and rejects happened
     tokens = prompt + out

@@ -68,8 +68,9 @@ def add_generation_args(ap: argparse.ArgumentParser) -> None:
                         "target-only where drafting does not pay; pass an integer for seed-reproducible sampling)")
     g.add_argument("--drafter", default="auto", choices=[*DRAFTERS, "none"],
                    help="auto (default): the drafter this bundle drafts best with on this machine (the draft "
-                        "model or EAGLE-3 head where cheap, else suffix matching with the draft model where it "
-                        "has no match; docs/design.md 'Choosing the drafter'); 'none' = target-only decoding; "
+                        "model or EAGLE-3 head where cheap, else suffix matching, with the draft model where it "
+                        "has no match unless the draft is dear; docs/design.md 'Choosing the drafter'); 'none' = "
+                        "target-only decoding; "
                         "'eagle' = the bundle's EAGLE-3 head (--draft-head at export)")
     g.add_argument("--speculation", default="chain", choices=["chain", "tree"])
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")

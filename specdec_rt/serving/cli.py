@@ -66,8 +66,8 @@ def build_parser(prog: str = "specdec-serve") -> argparse.ArgumentParser:
                    help="auto (default): what the library picks, resolved at start on this machine: the draft "
                         "model or EAGLE-3 head, whichever drafts a token for less, where that is cheap against a "
                         "target step; else suffix matching with the draft model where it has no match "
-                        "(suffix_hybrid); suffix alone on a bundle with neither (docs/design.md 'Choosing the "
-                        "drafter'); eagle: the head (specdec-export --draft-head); hybrid: prompt lookup where it "
+                        "(suffix_hybrid), or suffix matching alone beside a dear draft or none (docs/design.md "
+                        "'Choosing the drafter'); eagle: the head (specdec-export --draft-head); hybrid: prompt lookup where it "
                         "matches, else the draft model; suffix: suffix-tree drafting over the request (and the "
                         "--suffix-pool); suffix_hybrid: suffix where its match is strong, else the draft model")
     g.add_argument("--prefix-cache", default="shared", choices=("off", "per-user", "shared"),

@@ -21,9 +21,14 @@ from specdec_rt.runtime.policies.cost_model import CostModel, batch_widths, meas
 from specdec_rt.runtime.policies.tree import TreePolicy
 
 
-# a draft step dearer than this share of a one-token target step: the server drafts with the
-# suffix hybrid (PolicyStore.auto_drafter), between the two pairs measured (0.07 and 0.28)
+# a draft step dearer than this share of a one-token target step: "auto" drafts with the suffix
+# hybrid (PolicyStore.auto_drafter), between the two pairs measured (0.07 and 0.28)
 SUFFIX_HYBRID_ABOVE = 0.15
+# ... and dearer than this share: with suffix matching alone, the draft model's steps between
+# matches do not pay for themselves (measured on the real pair's grounded suite, int4 on an AMX
+# Xeon, c = 0.43: suffix 1.55x vs suffix_hybrid 1.42x end to end, 1.62x vs 1.11x on documents;
+# on Spec-Bench chat at c = 0.28 the hybrid led by 3%: 1.20x vs 1.17x)
+SUFFIX_ALONE_ABOVE = 0.35
 
 
 class PolicyStore:
@@ -94,8 +99,9 @@ class PolicyStore:
         Trees: :meth:`cheaper_drafter` (they need a model or a head; None when the bundle has
         neither). Chains: the same, except that a draft model dearer than ``SUFFIX_HYBRID_ABOVE``
         of a target step drafts only where suffix matching (free: the prompt, the output and the
-        suffix pool) has nothing sure to propose ("suffix_hybrid"), and a bundle with neither a
-        draft model nor a head drafts by suffix matching alone ("suffix"). Every choice keeps its
+        suffix pool) has nothing sure to propose ("suffix_hybrid"), one dearer than
+        ``SUFFIX_ALONE_ABOVE`` not at all ("suffix"), and a bundle with neither a draft model nor
+        a head drafts by suffix matching alone ("suffix"). Every choice keeps its
         K policy, which drafts nothing (plain decoding) where drafting does not pay. Measured: the
         reference pair's draft (c = 0.07) is best alone (2.11x vs the suffix hybrid's 1.96x), the
         0.5B draft beside Qwen2.5-Coder-1.5B (c = 0.28-0.46) is not (Spec-Bench 1.20x vs ~1.0x,
@@ -110,7 +116,8 @@ class PolicyStore:
         if base != "model":
             return base
         cost = self.measured(self.draft)
-        return "suffix_hybrid" if cost.draft_step > SUFFIX_HYBRID_ABOVE * cost.target(1) else "model"
+        share = cost.draft_step / cost.target(1)
+        return "suffix" if share > SUFFIX_ALONE_ABOVE else "suffix_hybrid" if share > SUFFIX_HYBRID_ABOVE else "model"
 
     def tree(self) -> TreePolicy:
         """The tree policy: the cost model (as for "auto" chains) plus the draft's cost for calls
