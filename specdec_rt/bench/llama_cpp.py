@@ -234,8 +234,9 @@ class LlamaRun:
 def _base_args(model: Path, prompt_file: Path, n: int, threads: int, seed: int, ctx: int,
                ignore_eos: bool = True) -> list[str]:
     # greedy and verbatim: no escapes processed, EOS ignored where ours ignores it, explicit threads
-    return ["-m", str(model), "-f", str(prompt_file), "--no-escape", "-n", str(n), "-c", str(ctx),
-            "--temp", "0", "--top-k", "1", "-s", str(seed), "-t", str(threads)] + (["--ignore-eos"] if ignore_eos else [])
+    args = ["-m", str(model), "-f", str(prompt_file), "--no-escape", "-n", str(n), "-c", str(ctx),
+            "--temp", "0", "--top-k", "1", "-s", str(seed), "-t", str(threads)]
+    return args + ["--ignore-eos"] if ignore_eos else args
 
 
 def tool_environment(omp_wait_policy: str | None = None) -> dict[str, str]:
