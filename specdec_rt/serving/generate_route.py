@@ -63,8 +63,8 @@ def parse_request(req: Any, max_new_tokens_limit: int) -> dict:
         raise RequestError("'stop' must be a string or a list of strings")
     if isinstance(out["num_draft_tokens"], str) and out["num_draft_tokens"] != "auto":
         raise RequestError("'num_draft_tokens' must be an integer or 'auto'")
-    for name in ("temperature", "top_p"):  # floats for the runtime: its checks ran numpy on a Python int,
-        if out[name] is not None:          # which raised TypeError (a 500) beyond int64 (issue 41's fuzz)
+    for name in ("temperature", "top_p"):  # floats, checked here as the OpenAI routes' get_float does:
+        if out[name] is not None:          # an integer beyond float's range is a 400 before it is queued
             try:
                 out[name] = float(out[name])
             except OverflowError:
