@@ -34,7 +34,7 @@ import numpy as np
 
 from specdec_rt.errors import GenerationInputError
 from specdec_rt.runtime.core.rows import DraftReport, StepReport
-from specdec_rt.runtime.drafters.suffix_trie import DEPTH, MAX_SPEC_FACTOR, MIN_PROB, SuffixProposal, SuffixTrie
+from specdec_rt.runtime.drafters.suffix_trie import DEPTH, MAX_SPEC_FACTOR, MIN_PROB, POOL_DEPTH, SuffixProposal, SuffixTrie
 
 if TYPE_CHECKING:
     from specdec_rt.runtime.core.rows import Row
@@ -54,7 +54,7 @@ class SuffixPool:
     read it).
     """
 
-    def __init__(self, max_tokens: int = 200_000, per_user: bool = True, depth: int = DEPTH) -> None:
+    def __init__(self, max_tokens: int = 200_000, per_user: bool = True, depth: int = POOL_DEPTH) -> None:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
             raise GenerationInputError(f"the suffix pool's max_tokens must be a positive integer, got {max_tokens!r}")
         self.max_tokens = int(max_tokens)

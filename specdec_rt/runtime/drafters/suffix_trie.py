@@ -8,9 +8,13 @@ from dataclasses import dataclass, field
 
 from specdec_rt.errors import GenerationInputError
 
-__all__ = ["SuffixTrie", "SuffixProposal", "DEPTH", "MIN_PROB", "MAX_SPEC_FACTOR"]
+__all__ = ["SuffixTrie", "SuffixProposal", "DEPTH", "POOL_DEPTH", "MIN_PROB", "MAX_SPEC_FACTOR"]
 
-DEPTH = 24  # vLLM's suffix_decoding_max_tree_depth
+# vLLM's suffix_decoding_max_tree_depth is 24; a request's own index goes deeper so that a match of
+# up to DEPTH // 2 tokens may propose as many (copies of 32 tokens and more from the prompt); the
+# cross-request pool keeps vLLM's depth (its size grows with depth x pooled tokens)
+DEPTH = 64
+POOL_DEPTH = 24
 MIN_PROB = 0.1  # vLLM's suffix_decoding_min_token_prob
 MAX_SPEC_FACTOR = 1.0  # vLLM's suffix_decoding_max_spec_factor
 
@@ -117,7 +121,9 @@ class SuffixTrie:
                 min_prob: float = MIN_PROB, max_spec_factor: float = MAX_SPEC_FACTOR,
                 source: str = "") -> SuffixProposal:
         """Up to ``k`` tokens after ``context`` (see the module doc)."""
-        node, m = self.find(context, max_match)
+        # a match leaves depth - m tokens to propose: past depth // 2 a longer match would only
+        # shorten the proposal (a pool shallower than the request's own index)
+        node, m = self.find(context, min(max_match, self.depth // 2))
         if node is None or m < min_match:
             return SuffixProposal(source=source)
         limit = min(k, max(1, int(max_spec_factor * m)), self.depth - m)

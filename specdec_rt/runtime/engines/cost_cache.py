@@ -1,6 +1,6 @@
 """The measured cost model kept on disk, per bundle and machine: "auto" without a cold start.
 
-"auto" decides from T(S) (the target's time for S new tokens, S = 1..16) and the draft's step
+"auto" decides from T(S) (the target's time for S new tokens, S = 1..33) and the draft's step
 time, measured on the machine at hand. Measuring takes a moment on a small pair (~0.3 s) but
 ~20 s on a 1.5B int4 target on 2 cores (12 round-robin passes over 16 call widths), which a
 one-off ``specdec-run`` would pay on every start. The figures depend only on the graphs and the
@@ -25,7 +25,8 @@ import platform
 import tempfile
 from pathlib import Path
 
-VERSION = 1
+VERSION = 2  # cost models; 2: T(S) up to S = 33 (cost_model.MAX_VERIFY_ROWS)
+PROBE_VERSION = 1  # probe verdicts (kept when only the cost model's format changes)
 
 
 def cache_dir() -> Path | None:
@@ -46,13 +47,13 @@ def _cpu() -> str:
     return platform.processor() or platform.machine()
 
 
-def cost_key(manifest: dict, role_graphs: list[str], machine: dict) -> str:
+def cost_key(manifest: dict, role_graphs: list[str], machine: dict, version: int = VERSION) -> str:
     """A digest of the graphs' checksums (and their external data) and the machine."""
     import onnxruntime as ort
 
     files = manifest.get("files", {})
     graphs = {f: d for f, d in sorted(files.items()) if any(f.startswith(g.rsplit("/", 1)[0] + "/") for g in role_graphs)}
-    ident = {"version": VERSION, "graphs": graphs, "cpu": _cpu(), "cores": os.cpu_count(),
+    ident = {"version": version, "graphs": graphs, "cpu": _cpu(), "cores": os.cpu_count(),
              "onnxruntime": ort.__version__, **machine}
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
@@ -67,7 +68,7 @@ def engine_settings(engine) -> dict:
             "own_pool": getattr(opts, "use_per_session_threads", None)}
 
 
-def _read(d: Path | None, key: str) -> dict | None:
+def _read(d: Path | None, key: str, version: int = VERSION) -> dict | None:
     """The JSON object ``d/<key>.json`` of this cache's version, or None (absent, unreadable,
     another version, caching off)."""
     if d is None:
@@ -76,10 +77,10 @@ def _read(d: Path | None, key: str) -> dict | None:
         data = json.loads((d / f"{key}.json").read_text())
     except (OSError, ValueError):
         return None
-    return data if isinstance(data, dict) and data.get("version") == VERSION else None
+    return data if isinstance(data, dict) and data.get("version") == version else None
 
 
-def _write(d: Path | None, key: str, data: dict) -> None:
+def _write(d: Path | None, key: str, data: dict, version: int = VERSION) -> None:
     """Write atomically (a reader never sees half a file); a read-only cache is not an error."""
     if d is None:
         return
@@ -87,7 +88,7 @@ def _write(d: Path | None, key: str, data: dict) -> None:
         d.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".json")
         with os.fdopen(fd, "w") as f:
-            json.dump({"version": VERSION, **data}, f)
+            json.dump({"version": version, **data}, f)
         os.replace(tmp, d / f"{key}.json")
     except OSError:
         pass
@@ -126,7 +127,7 @@ def probe_key(manifest: dict, role_graph: str, engine, probe: str) -> str:
     its feature flags, the engine's thread setup and padding, the probe's name)."""
     machine = {"probe": probe, "engine": engine_settings(engine), "flags": _cpu_flags(),
                "min_rows": getattr(engine, "min_rows", None), "max_len": getattr(engine, "max_len", None)}
-    return cost_key(manifest, [role_graph], machine)
+    return cost_key(manifest, [role_graph], machine, PROBE_VERSION)
 
 
 def _probe_dir() -> Path | None:
@@ -136,9 +137,9 @@ def _probe_dir() -> Path | None:
 
 def load_probe(key: str) -> bool | None:
     """A stored probe verdict, or None (not measured here yet, unreadable, caching off)."""
-    data = _read(_probe_dir(), key)
+    data = _read(_probe_dir(), key, PROBE_VERSION)
     return None if data is None or not isinstance(data.get("verdict"), bool) else data["verdict"]
 
 
 def save_probe(key: str, verdict: bool) -> None:
-    _write(_probe_dir(), key, {"verdict": bool(verdict)})
+    _write(_probe_dir(), key, {"verdict": bool(verdict)}, PROBE_VERSION)

@@ -29,6 +29,10 @@ SUFFIX_HYBRID_ABOVE = 0.15
 # Xeon, c = 0.43: suffix 1.55x vs suffix_hybrid 1.42x end to end, 1.62x vs 1.11x on documents;
 # on Spec-Bench chat at c = 0.28 the hybrid led by 3%: 1.20x vs 1.17x)
 SUFFIX_ALONE_ABOVE = 0.35
+# Suffix drafts may be this long: each proposal is cut where its own expected goodput peaks
+# (drafters.suffix.SuffixGoodput), so a long block is drafted only where the match is long and
+# sure and the measured T(K + 1) makes it pay (a copied stretch of a prompt, on a flat verify)
+SUFFIX_K_MAX = 32
 
 
 class PolicyStore:
@@ -74,7 +78,8 @@ class PolicyStore:
             cost = CostModel(cost.target_times, 0.0, {b: (t, 0.0) for b, (t, _) in cost.widths.items()})
         policy = self.chains.get(key)
         if policy is None:
-            policy = self.chains[key] = AdaptivePolicy(cost, overlap=bool(overlap), clock=self.clock)
+            k_max = SUFFIX_K_MAX if drafter == "suffix" else AdaptivePolicy.k_max
+            policy = self.chains[key] = AdaptivePolicy(cost, k_max=k_max, overlap=bool(overlap), clock=self.clock)
         policy.set_cost(cost)  # possibly with more widths than when the policy was made
         return policy
 

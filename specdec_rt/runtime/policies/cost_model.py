@@ -101,10 +101,25 @@ def measure_engine(engine: OrtEngine, sizes: list[int], past: int = 64, reps: in
     return list(np.maximum.accumulate(out))  # T(S) is non-decreasing; smooth out noise
 
 
-def measure_cost_model(target: OrtEngine, draft: OrtEngine | None, max_s: int = 16,
+# T(S) is measured for S = 1..16 and then at a few widths up to MAX_VERIFY_ROWS (interpolated in
+# between): suffix drafts copy spans of 32 tokens where the answer repeats the prompt, and on
+# exports whose verify cost is flat (w8a8 on int8 GEMM hardware) such a block costs little more
+# than one token, which a curve extrapolated from S <= 16 cannot tell
+DENSE_ROWS = 16
+MAX_VERIFY_ROWS = 33  # a 32-token draft plus the target's own token
+WIDE_ROWS = (20, 24, 28, MAX_VERIFY_ROWS)
+
+
+def measure_cost_model(target: OrtEngine, draft: OrtEngine | None, max_s: int = MAX_VERIFY_ROWS,
                        clock=time.perf_counter) -> CostModel:
     # ~0.3 s on the reference pair; min over 11 round-robin passes shrugs off a noisy moment
-    t = measure_engine(target, list(range(1, max_s + 1)), past=128, reps=11, clock=clock)
+    dense = list(range(1, min(max_s, DENSE_ROWS) + 1))
+    t = measure_engine(target, dense, past=128, reps=11, clock=clock)
+    wide = [s for s in WIDE_ROWS if DENSE_ROWS < s <= max_s and s < target.max_len]
+    if wide and len(t) == len(dense):  # fewer passes: a wide call is long, and the policy needs its level, not its last bit
+        tw = measure_engine(target, wide, past=128, reps=5, clock=clock)
+        xs = dense + wide
+        t = [float(v) for v in np.maximum.accumulate(np.interp(np.arange(1, xs[-1] + 1), xs, t + tw))]
     d = measure_engine(draft, [1], past=128, reps=21, clock=clock)[0] if draft is not None else 0.0
     return CostModel(target_times=t, draft_step=d)
 
