@@ -192,3 +192,35 @@ def test_shipped_grounded_questions():
     qs = load_questions(str(GROUNDED_QUESTIONS), None, EVERY_QUESTION)
     assert list(dict.fromkeys(q.category for q in qs)) == ["edit", "refactor", "tests", "doc_qa"]
     assert len(qs) >= 12 and all(len(q.text) > 1000 for q in qs)
+
+
+def test_agent_suite_through_the_server(spec_bench_files, tmp_path):
+    """--suite agent: tool-call loops sent to a real specdec-serve with the OpenAI client, the
+    conversation growing with target-only's answers and scripted tool results; every configuration
+    returns the same text per turn; the shipped workload loads; a bad workload is a clear error."""
+    pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    from specdec_rt.bench.agent import conversation, load_sessions, shipped_workload
+
+    shipped = load_sessions("")
+    assert len(shipped) == 3 and all(s.turns == 4 for s in shipped) and shipped_workload().endswith(".jsonl")
+    msgs = conversation(shipped[0], ["READ inventory.py", "WRITE ..."], 2)
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert msgs[3]["content"] == shipped[0].results[0] and msgs[-1]["content"] == shipped[0].results[1]
+    work = tmp_path / "agent.jsonl"
+    work.write_text(json.dumps({"session": "s", "system": "You are an agent.", "task": "Read a.py.",
+                                "results": ["Tool result (READ a.py): def f(x): return x"]}) + "\n")
+    out = tmp_path / "agent"
+    rc = main(["--bundle", str(spec_bench_files["bundle"]), "--suite", "agent", str(work), "--max-new-tokens", "12",
+               "--drafter", "auto,suffix", "--repeats", "1", "--threads", "1", "--out", str(out), "--quiet"])
+    assert rc == 0
+    res = json.loads((out / "agent.json").read_text())
+    assert res["suite"] == "agent" and list(res["per_category"]) == ["turn 1", "turn 2"]
+    assert [r["system"] for r in res["overall"]] == ["target-only", "served auto", "served suffix"]
+    assert all(r["identical_to_own_target_only"] for r in res["overall"])
+    assert all(r["tokens"] > 0 and r["ttft_ms"] > 0 for r in res["overall"])
+    assert "# Agent tool loops through specdec-serve" in (out / "agent.md").read_text()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"session": "s"}\n')
+    with pytest.raises(GenerationInputError, match="not an agent session"):
+        load_sessions(str(bad))

@@ -55,6 +55,7 @@ class Outcome:
     target_calls: int | None = None
     proposed: int | None = None
     accepted: int | None = None
+    drafter: str | None = None  # ours: the drafter that ran (what "auto" resolved to; None: target-only)
 
 
 class System:

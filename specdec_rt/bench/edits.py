@@ -134,7 +134,7 @@ class EditSystem(System):
         dt = time.perf_counter() - t0
         s = g.last_stats
         return Outcome(out, dt, ttft=s.time_prefill, target_calls=s.target_calls, proposed=s.proposed,
-                       accepted=s.accepted)
+                       accepted=s.accepted, drafter=s.drafter)
 
 
 def run_edits(cfg: EditsConfig) -> dict:

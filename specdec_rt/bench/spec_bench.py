@@ -108,7 +108,7 @@ class OurSystem(System):
             dt = time.perf_counter() - t0
         s = g.last_stats
         return Outcome(out, dt, ttft=s.time_prefill, target_calls=s.target_calls, proposed=s.proposed,
-                       accepted=s.accepted)
+                       accepted=s.accepted, drafter=s.drafter)
 
 
 def baseline_systems(cfg: SpecBenchConfig, questions: list[Question], prompts: list[list[int]]) -> list[System]:
@@ -262,7 +262,8 @@ def _agg(outcomes: list[Outcome]) -> dict:
             "decode_tokens_per_second": decode_tokens / decode_seconds if decode_seconds else None,
             "tokens_per_target_call": decoded / sum(calls) if calls and sum(calls) else None,
             "acceptance": accepted / proposed if proposed else None,
-            "ttft_ms": 1e3 * sum(ttft) / len(ttft) if ttft else None}
+            "ttft_ms": 1e3 * sum(ttft) / len(ttft) if ttft else None,
+            "drafters_ran": sorted({o.drafter for o in outcomes if o.drafter}) or None}
 
 
 def summarize(cfg, questions, prompts, systems, runs, gen, skipped, peak_rss_mb) -> dict:
@@ -330,7 +331,9 @@ def markdown(results: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["overall"]:
         ident = "-" if r["identical_prompts"] is None else f"{r['identical_prompts']}/{len(results['prompt_tokens'])}"
-        lines.append(f"| {r['system']} | {_fmt(r['tokens_per_second'], '.1f')} | {_fmt(r['speedup'])}x | "
+        ran = r.get("drafters_ran")
+        shown = r["system"] + (f" (ran: {', '.join(ran)})" if ran and "auto" in r["system"] else "")
+        lines.append(f"| {shown} | {_fmt(r['tokens_per_second'], '.1f')} | {_fmt(r['speedup'])}x | "
                      f"{_fmt(r['speedup_over_own_target_only'])}x | {_fmt(r['decode_tokens_per_second'], '.1f')} | "
                      f"{_fmt(r['decode_speedup'])}x | {_fmt(r['tokens_per_target_call'])} | "
                      f"{_fmt(r['acceptance'])} | {_fmt(r['ttft_ms'], '.0f')} | {ident} |")

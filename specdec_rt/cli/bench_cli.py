@@ -78,8 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "copy from the prompt (code edits, refactors, tests for given code, quoting a document; "
                          "default: the shipped set), every question, answers stopping at EOS; writes "
                          "grounded.json/.md/.png. 'edits [sessions.jsonl]': multi-turn code edits (default: "
-                         "the shipped workload), every drafter at K=auto, per turn; writes edits.json/.md/.png")
-    ap.add_argument("--sessions", type=int, default=None, help="with --suite edits: the first N sessions")
+                         "the shipped workload), every drafter at K=auto, per turn; writes edits.json/.md/.png. 'agent "
+                         "[sessions.jsonl]': multi-turn tool-call loops of a coding agent sent to specdec-serve "
+                         "with the OpenAI client (prefix cache per user), target-only against the server's "
+                         "default (--drafter: others), per turn; writes agent.json/.md/.png")
+    ap.add_argument("--sessions", type=int, default=None, help="with --suite edits / agent: the first N sessions")
     ap.add_argument("--no-prefix-cache", action="store_true",
                     help="with --suite edits: prefill every turn's whole history (default: each turn keeps "
                          "the K/V of the conversation so far, as load(prefix_cache=True) does)")
@@ -149,9 +152,18 @@ def _suite(args, argv) -> int:
     from specdec_rt.errors import GenerationInputError
 
     name, *rest = args.suite
-    if name not in ("spec-bench", "grounded", "edits") or len(rest) > 1:
-        raise GenerationInputError(f"--suite takes 'spec-bench [PATH]', 'grounded [PATH]' or 'edits [PATH]', got "
-                                   f"{' '.join(args.suite)!r}")
+    if name not in ("spec-bench", "grounded", "edits", "agent") or len(rest) > 1:
+        raise GenerationInputError(f"--suite takes 'spec-bench [PATH]', 'grounded [PATH]', 'edits [PATH]' or "
+                                   f"'agent [PATH]', got {' '.join(args.suite)!r}")
+    if name == "agent":
+        from specdec_rt.bench import agent
+
+        acfg = agent.AgentConfig(bundle=args.bundle, questions=rest[0] if rest else "",
+                                 max_new_tokens=args.max_new_tokens, repeats=args.repeats, threads=args.threads,
+                                 sessions=args.sessions, progress=not args.quiet)
+        if args.drafter_given:
+            acfg.drafters = _csv(args.drafter)
+        return _finish(agent.run_agent(acfg), agent.write, args.out, argv)
     if name == "edits":
         from specdec_rt.bench import edits
 
