@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import make_checkpoint, make_tokenizer  # noqa: E402
+from helpers import make_checkpoint, make_perturbed_copy, make_tokenizer  # noqa: E402
 
 VOCAB = 320
 BIG_VOCAB = 1024  # phi4_mini's model vocabulary; its tokenizer keeps VOCAB tokens
@@ -270,6 +271,36 @@ def test_self_draft_accepts_everything(store, name, k):
         assert ours == store.reference(name, prompt), prompt
         assert gen.last_stats.proposed > 0
         assert gen.last_stats.acceptance_rate == 1.0, (prompt, gen.last_stats.accepted, gen.last_stats.proposed)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_noisy_draft_is_rejected_and_output_stays_the_targets(store, name, tmp_path):
+    """Every family with a draft that disagrees (the target plus weight noise): rejected drafts,
+    rollbacks and resampled tokens in chains (fixed and "auto" K) and trees, and still
+    transformers' greedy output token for token."""
+    import specdec_rt
+    from specdec_rt.export.pipeline import ExportOptions, export_pair
+
+    ckpt = store.checkpoint(name)
+    for noise in (0.03, 0.08, 0.2, 1.0):  # a draft that agrees in part: how much noise that takes varies by family
+        draft = make_perturbed_copy(ckpt, tmp_path / f"draft{noise}", noise=noise)
+        out = tmp_path / f"bundle{noise}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # longrope's context cap, said by the test above
+            export_pair(ckpt, draft, out, ExportOptions(progress=False, validate=False))
+        gen = specdec_rt.load(out, threads=1)
+        proposed = accepted = 0
+        for prompt in PROMPTS:
+            ref = store.reference(name, prompt)
+            for kwargs in ({"num_draft_tokens": 3}, {"num_draft_tokens": "auto"},
+                           {"speculation": "tree", "num_draft_tokens": 6}):
+                ours = gen.generate_ids(prompt, max_new_tokens=NEW_TOKENS, drafter="model", ignore_eos=True, **kwargs)
+                assert ours == ref, (noise, prompt, kwargs)
+                proposed += gen.last_stats.proposed
+                accepted += gen.last_stats.accepted
+        if 0 < accepted < proposed:
+            break
+    assert 0 < accepted < proposed, (name, accepted, proposed)
 
 
 # -- inputs the exporter refuses --------------------------------------------------------------------

@@ -33,18 +33,36 @@ def test_probe_graphs_compute_the_projection():
     import onnxruntime as ort
 
     from specdec_rt.export.quant_choice import int4_graph, w8a8_graph
+    from specdec_rt.runtime.engines.sessions import session_options
 
     rng = np.random.default_rng(1)
     w = (rng.standard_normal((64, 48)) * 0.1).astype(np.float32)
     x = rng.standard_normal((5, 64)).astype(np.float32)
     ref = x @ w
     for model in (int4_graph(w, 32), w8a8_graph(w)):
-        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        sess = ort.InferenceSession(model.SerializeToString(), session_options(1), providers=["CPUExecutionProvider"])
         y = sess.run(None, {"x": x})[0]
         assert np.abs(y - ref).max() < 0.1 * np.abs(ref).max()
         # per-row activations: a row alone gives the bits it gives among the others (w8a8 always)
         if model.graph.node[-1].op_type == "Mul":
             assert np.array_equal(sess.run(None, {"x": x[2:3]})[0][0], y[2])
+
+
+def test_probe_graphs_use_the_exporters_ops(tiny_pair, tmp_path):
+    """What is timed is what the exporter builds: every op of the probe graphs occurs in the
+    exported graph of that scheme (a change to the exporter's projections must reach the probe)."""
+    import onnx
+
+    from specdec_rt.export.pipeline import ExportOptions, export_pair
+    from specdec_rt.export.quant_choice import int4_graph, w8a8_graph
+
+    w = np.zeros((64, 32), np.float32)
+    for scheme, probe in (("int4", int4_graph(w, 32)), ("w8a8", w8a8_graph(w))):
+        out = tmp_path / scheme
+        export_pair(tiny_pair["target"], None, out, ExportOptions(progress=False, quantize=scheme, validate=False))
+        graph = onnx.load(str(out / "target" / "model.onnx"), load_external_data=False).graph
+        exported = {(n.op_type, n.domain or "") for n in graph.node}
+        assert {(n.op_type, n.domain or "") for n in probe.graph.node} <= exported, scheme
 
 
 def test_export_cli_quantize_auto(tiny_pair, tmp_path, capsys):

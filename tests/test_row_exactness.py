@@ -214,6 +214,7 @@ def test_w8a8_graph_is_what_it_claims(quant_bundles):
     model = onnx.load(str(quant_bundles["w8a8"] / "target" / "model.onnx"), load_external_data=False)
     ops = {n.op_type for n in model.graph.node}
     assert "MatMulIntegerToFloat" in ops and "MatMulNBits" not in ops
+    assert "QuantizeLinear" in ops and "Round" not in ops  # rows quantized by one blocked op each
     assert (target["quantization"], manifest["models"]["draft"]["quantization"]) == ("w8a8", "int4")
     assert target["quant_block_size"] is None  # one scale per output channel
     quality = target["validation"]["quantized"]
@@ -221,6 +222,40 @@ def test_w8a8_graph_is_what_it_claims(quant_bundles):
     assert quality["decode_vs_verify_error"] == 0.0
     assert quality["max_logit_error"] < int4["max_logit_error"]
     assert target["size_bytes"] < 0.4 * target["size_bytes_unquantized"]
+
+
+def test_blocked_quantize_linear_gives_the_bits_of_div_round_add_cast():
+    """W8A8 rows are quantized by one QuantizeLinear whose block is the whole row (opset 21); it
+    must give exactly what round(x / scale) + 128 in separate ops gave: ties to even included."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from specdec_rt.runtime.engines.sessions import session_options
+
+    rng = np.random.default_rng(3)
+    k = 96
+    x = rng.standard_normal((2, 5, k)).astype(np.float32) * 4
+    scale = (np.abs(x).max(axis=-1, keepdims=True) / 127).astype(np.float32)
+    x[0, 0, :8] = (np.arange(8) + 0.5) * scale[0, 0]  # exact halves: round half to even
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", k]),
+              helper.make_tensor_value_info("scale", TensorProto.FLOAT, ["b", "s", 1])]
+    out = [helper.make_tensor_value_info("q", TensorProto.UINT8, ["b", "s", k])]
+    blocked = helper.make_graph(
+        [helper.make_node("Shape", ["scale"], ["rows"]),
+         helper.make_node("Expand", ["zero", "rows"], ["zp"]),
+         helper.make_node("QuantizeLinear", ["x", "scale", "zp"], ["q"], axis=-1, block_size=k)],
+        "blocked", inputs, out, [numpy_helper.from_array(np.array([128], np.uint8), "zero")])
+    chain = helper.make_graph(
+        [helper.make_node("Div", ["x", "scale"], ["d"]), helper.make_node("Round", ["d"], ["r"]),
+         helper.make_node("Add", ["r", "c128"], ["a"]), helper.make_node("Cast", ["a"], ["q"], to=TensorProto.UINT8)],
+        "chain", inputs, out, [numpy_helper.from_array(np.array(128, np.float32), "c128")])
+    got = []
+    for graph in (blocked, chain):
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+        model.ir_version = 10
+        sess = ort.InferenceSession(model.SerializeToString(), session_options(1), providers=["CPUExecutionProvider"])
+        got.append(sess.run(None, {"x": x, "scale": scale})[0])
+    assert np.array_equal(got[0], got[1])
 
 
 def test_fused_target_attention_chain_rows_equal_sequential_rows_bit_for_bit(quant_bundles):

@@ -167,3 +167,55 @@ def test_processed_probabilities_match_transformers_warpers():
         ref = _warp(torch.tensor(x), t, k, p).numpy()
         np.testing.assert_allclose(ours, ref, atol=1e-9)
         assert np.array_equal(ours > 0, ref > 0)
+
+
+SECOND_PAIR_CONFIGS = [
+    dict(temperature=1.0, top_k=0, top_p=1.0, drafter="model", num_draft_tokens=2),
+    dict(temperature=0.8, top_k=5, top_p=0.9, drafter="model", num_draft_tokens=3),
+    dict(temperature=1.0, top_k=0, top_p=1.0, drafter="suffix", num_draft_tokens=2),
+    dict(temperature=1.0, top_k=0, top_p=1.0, drafter="suffix_hybrid", num_draft_tokens=2),
+    dict(temperature=1.0, top_k=0, top_p=1.0, drafter="auto", num_draft_tokens=2),
+    dict(temperature=1.0, top_k=0, top_p=1.0, drafter="model", num_draft_tokens=6, speculation="tree"),
+]
+
+
+@pytest.fixture(scope="module")
+def second_pair(tmp_path_factory):
+    """Another pair, of other families: a Qwen2 target (q/k/v biases, grouped KV heads) with a
+    GPT-2 draft (learned positions, LayerNorm, GELU), both over the 16-token vocabulary."""
+    from transformers import GPT2Config, Qwen2Config
+
+    from helpers import make_tiny_vocab_checkpoint
+    from specdec_rt.export.pipeline import ExportOptions, export_pair
+
+    base = tmp_path_factory.mktemp("second_pair")
+    cfg_t = Qwen2Config(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                        tie_word_embeddings=False, eos_token_id=0, bos_token_id=0, pad_token_id=0)
+    cfg_d = GPT2Config(vocab_size=16, n_embd=16, n_layer=1, n_head=2, n_positions=64, eos_token_id=0,
+                       bos_token_id=0, pad_token_id=0)
+    target = make_tiny_vocab_checkpoint(cfg_t, base / "target", seed=5, scale=0.5)
+    draft = make_tiny_vocab_checkpoint(cfg_d, base / "draft", seed=6, scale=0.5)
+    bundle = base / "bundle"
+    export_pair(target, draft, bundle, ExportOptions(progress=False))
+    return {"target": target, "bundle": bundle}
+
+
+@pytest.mark.parametrize("cfg", SECOND_PAIR_CONFIGS, ids=lambda c: f"{c['drafter']}-{c.get('speculation', 'chain')}-"
+                         f"{c['num_draft_tokens']}")
+def test_sampled_tokens_follow_target_distribution_on_a_second_pair(second_pair, cfg):
+    import specdec_rt
+
+    gen2 = specdec_rt.load(second_pair["bundle"], threads=1)
+    joint = exact_joint(second_pair["target"], cfg["temperature"], cfg["top_k"], cfg["top_p"])
+    counts = np.zeros_like(joint)
+    rejected = proposed = 0
+    for seed in range(N_RUNS):
+        out = gen2.generate_ids(PROMPT, max_new_tokens=4, seed=seed, ignore_eos=True,
+                                temperature=cfg["temperature"], top_k=cfg["top_k"], top_p=cfg["top_p"],
+                                drafter=cfg["drafter"], num_draft_tokens=cfg["num_draft_tokens"],
+                                speculation=cfg.get("speculation", "chain"))
+        counts[out[0], out[1], out[2]] += 1
+        proposed += gen2.last_stats.proposed
+        rejected += gen2.last_stats.proposed - gen2.last_stats.accepted
+    assert_follows_joint(counts, joint, proposed, rejected)

@@ -38,6 +38,7 @@ from specdec_rt.export.quantize import (ACCURACY_LEVEL, ACT_EPS, BLOCK_SIZE, QUA
 
 CONTRACT_VERSION = 1
 FUSED_ATTENTION_OPSET = 23  # ONNX Attention; ONNX Runtime's CPU kernel since 1.23
+BLOCKED_QUANTIZE_OPSET = 21  # QuantizeLinear with block_size: one scale per activation row
 MS_DOMAIN = "com.microsoft"
 
 _NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16}
@@ -294,7 +295,12 @@ class GraphBuilder:
         if options.feature_layers is not None:
             check_feature_layers(spec, options.feature_layers)
         opset = max(options.opset, FUSED_ATTENTION_OPSET) if options.fused_attention else options.opset
+        if self.w8a8 and options.fused:  # one blocked QuantizeLinear per activation (_quantize_rows)
+            opset = max(opset, BLOCKED_QUANTIZE_OPSET)
         self.g = _Graph(GRAPH_DTYPES[options.dtype], opset, writer)
+        # W8A8: the uint8 zero points of an activation's rows, one tensor per row layout ("rows":
+        # every decoder activation, [B, S, 1]; "kept": the LM head's input, its last rows only)
+        self._row_zero: dict[str, str] = {}
 
     # -- small emitters --------------------------------------------------------------------
     def _quantized(self, w: np.ndarray, hint: str) -> tuple[str, str]:
@@ -317,12 +323,18 @@ class GraphBuilder:
         q, scales = quantize_per_channel(w)
         return g.packed(q, hint + "_q"), g.packed(scales, hint + "_scales")
 
-    def _quantize_rows(self, x: str) -> tuple[str, str]:
+    def _quantize_rows(self, x: str, k: int, rows: str = "rows") -> tuple[str, str]:
         """W8A8: ``x`` [..., K] -> (uint8, zero point 128; scales [..., 1]), one scale per row.
 
         Per row, never per tensor (DynamicQuantizeLinear): a per-tensor scale would tie a row's
         result to the other rows of the call, and greedy speculation would stop being exact.
         Quantized once per activation: the q/k/v (or gate/up) projections of one input share it.
+        ``round(x / scale) + 128`` as one ``QuantizeLinear`` whose block is the whole row (opset
+        21; the zero points, one per row, made once per graph from the first scales' shape) in
+        the fused op set (``rows`` names the row layout whose zero points are shared), as ``Div``,
+        ``Round``, ``Add``, ``Cast`` in the portable one: the same
+        bits (division, round half to even), 3 nodes fewer per activation (~340 on a 28-layer
+        model, whose per-node overhead a one-token call pays).
         """
         if x in self._act_q:
             return self._act_q[x]
@@ -334,16 +346,24 @@ class GraphBuilder:
             peak = g.op("ReduceMax", [peak], "aq_peak", axes=[-1], keepdims=1)
         peak = g.op("Max", [peak, g.const(np.array(ACT_EPS, np.float32), "aq_eps")], "aq_floor")
         scale = g.op("Div", [peak, g.const(np.array(127, np.float32), "aq_127")], "aq_scale")
-        r = g.op("Round", [g.op("Div", [x, scale], "aq_div")], "aq_round")
-        q = g.op("Cast", [g.op("Add", [r, g.const(np.array(128, np.float32), "aq_128")], "aq_shift")], "aq_u8",
-                 to=TensorProto.UINT8)
+        if self.opt.fused and g.opset >= BLOCKED_QUANTIZE_OPSET:
+            zero = self._row_zero.get(rows)
+            if zero is None:
+                zero = self._row_zero[rows] = g.op(
+                    "Expand", [g.const(np.array([128], np.uint8), "aq_zero_row", dtype=np.uint8),
+                               g.op("Shape", [scale], "aq_rows")], "aq_zero_points")
+            q = g.op("QuantizeLinear", [x, scale, zero], "aq_u8", axis=-1, block_size=k)
+        else:
+            r = g.op("Round", [g.op("Div", [x, scale], "aq_div")], "aq_round")
+            q = g.op("Cast", [g.op("Add", [r, g.const(np.array(128, np.float32), "aq_128")], "aq_shift")], "aq_u8",
+                     to=TensorProto.UINT8)
         self._act_q[x] = (q, scale)
         return q, scale
 
-    def _matmul_w8a8(self, x: str, q: str, scales: str, hint: str) -> str:
+    def _matmul_w8a8(self, x: str, q: str, scales: str, hint: str, k: int, rows: str = "rows") -> str:
         """x @ (q * scales) as an integer GEMM of per-row quantized ``x``, then its row scales."""
         g = self.g
-        qx, sx = self._quantize_rows(x)
+        qx, sx = self._quantize_rows(x, k, rows)
         zero = g.const(np.array(128, np.uint8), "aq_zero")
         if self.opt.fused:  # ONNX Runtime's contrib op: the int32 -> float conversion and scales fused
             y = g.op("MatMulIntegerToFloat", [qx, q, g.const(np.array(1.0, np.float32), "aq_one"), scales, zero],
@@ -356,7 +376,7 @@ class GraphBuilder:
     def _linear(self, x: str, w: np.ndarray, b: np.ndarray | None, hint: str) -> str:
         if self.w8a8:
             q, scales = self._per_channel(w, hint)
-            y = self._matmul_w8a8(x, q, scales, hint)
+            y = self._matmul_w8a8(x, q, scales, hint, w.shape[0])
         elif self.bits:
             packed, scales = self._quantized(w, hint)
             y = self._matmul_nbits(x, packed, scales, w.shape[0], w.shape[1], hint)
@@ -907,7 +927,7 @@ class GraphBuilder:
     def _lm_head(self, final: str) -> str:
         g, s, w = self.g, self.spec, self.w
         if self._lm is not None and self._lm[0] == "w8a8":
-            return self._matmul_w8a8(final, self._lm[1], self._lm[2], "lm_head")
+            return self._matmul_w8a8(final, self._lm[1], self._lm[2], "lm_head", s.hidden_size, "kept")
         if self._lm is not None and self._lm[0] == "nbits":
             return self._matmul_nbits(final, self._lm[1], self._lm[2], s.hidden_size, self.out_vocab, "lm_head")
         if self._lm is not None:
@@ -915,7 +935,7 @@ class GraphBuilder:
         fold = self._logit_fold()
         if self.w8a8:
             q, scales = self._vocab_per_channel(w.lm_head, "lm_head", fold)
-            y = self._matmul_w8a8(final, q, scales, "lm_head")
+            y = self._matmul_w8a8(final, q, scales, "lm_head", s.hidden_size, "kept")
         elif self.bits:
             packed, scales = self._vocab_quantized(w.lm_head, "lm_head", fold)
             y = self._matmul_nbits(final, packed, scales, s.hidden_size, self.out_vocab, "lm_head")

@@ -49,21 +49,24 @@ class QuantChoice:
 
 
 def _session(model, threads: int | None):
+    """A CPU session set up as the runtime sets up its own (threads, or the process-wide pool)."""
     import onnxruntime as ort
 
-    so = ort.SessionOptions()
-    if threads:
-        so.intra_op_num_threads = threads
-    so.log_severity_level = 3
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    from specdec_rt.runtime.engines.sessions import session_options
+
+    return ort.InferenceSession(model.SerializeToString(), session_options(threads),
+                                providers=["CPUExecutionProvider"])
 
 
-def _model(nodes, inits, k: int, n: int):
+def _model(nodes, inits, k: int, n: int, opset: int = 17):
     from onnx import TensorProto, helper
 
     graph = helper.make_graph(nodes, "probe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", k])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", n])], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    opsets = [helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
+    model.ir_version = helper.find_min_ir_version_for(opsets[:1])
+    return model
 
 
 def int4_graph(w: np.ndarray, block_size: int):
@@ -78,26 +81,29 @@ def int4_graph(w: np.ndarray, block_size: int):
 
 
 def w8a8_graph(w: np.ndarray):
-    """``x @ w`` as the exporter's W8A8 projection (per-row uint8 activations, 7-bit weights)."""
-    from onnx import TensorProto, helper, numpy_helper
+    """``x @ w`` as the exporter's W8A8 projection (per-row uint8 activations, 7-bit weights):
+    GraphBuilder._quantize_rows and _matmul_w8a8 in the fused op set."""
+    from onnx import helper, numpy_helper
+
+    from specdec_rt.export.graph import BLOCKED_QUANTIZE_OPSET
 
     k, n = w.shape
     q, scales = quantize_per_channel(w)
     c = {"eps": np.array(ACT_EPS, np.float32), "n127": np.array(127, np.float32),
-         "n128": np.array(128, np.float32), "zero": np.array(128, np.uint8), "one": np.array(1.0, np.float32)}
+         "zero_row": np.array([128], np.uint8), "zero": np.array(128, np.uint8), "one": np.array(1.0, np.float32)}
     nodes = [helper.make_node("Abs", ["x"], ["a"]),
-             helper.make_node("ReduceMax", ["a"], ["peak"], axes=[-1], keepdims=1),
+             helper.make_node("ReduceMax", ["a", "axes"], ["peak"], keepdims=1),
              helper.make_node("Max", ["peak", "eps"], ["floor"]),
              helper.make_node("Div", ["floor", "n127"], ["sx"]),
-             helper.make_node("Div", ["x", "sx"], ["xd"]),
-             helper.make_node("Round", ["xd"], ["xr"]),
-             helper.make_node("Add", ["xr", "n128"], ["xs"]),
-             helper.make_node("Cast", ["xs"], ["qx"], to=TensorProto.UINT8),
+             helper.make_node("Shape", ["sx"], ["rows"]),
+             helper.make_node("Expand", ["zero_row", "rows"], ["zp"]),
+             helper.make_node("QuantizeLinear", ["x", "sx", "zp"], ["qx"], axis=-1, block_size=k),
              helper.make_node("MatMulIntegerToFloat", ["qx", "wq", "one", "ws", "zero"], ["y0"], domain="com.microsoft"),
              helper.make_node("Mul", ["y0", "sx"], ["y"])]
-    inits = [numpy_helper.from_array(q, "wq"), numpy_helper.from_array(scales, "ws")]
+    inits = [numpy_helper.from_array(q, "wq"), numpy_helper.from_array(scales, "ws"),
+             numpy_helper.from_array(np.array([-1], np.int64), "axes")]
     inits += [numpy_helper.from_array(v, name) for name, v in c.items()]
-    return _model(nodes, inits, k, n)
+    return _model(nodes, inits, k, n, BLOCKED_QUANTIZE_OPSET)
 
 
 def _time(sess, x: np.ndarray, reps: int) -> float:
