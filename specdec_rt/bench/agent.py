@@ -119,8 +119,11 @@ class ServedSystem(System):
         dt = time.perf_counter() - t0
         answer = "".join(parts)
         self.last_text = answer
+        # an Outcome's tokens serve identity (equal lists: equal text, as the text's encoding) and
+        # rates (their count): where re-encoding the text gives another count than the server's
+        # usage (a token split at a boundary), the list is cut or filled with -1 to the server's
         tokens = self.tokenizer.encode(answer)
-        if usage is not None and usage.completion_tokens != len(tokens):  # keep the server's count
+        if usage is not None and usage.completion_tokens != len(tokens):
             tokens = (tokens + [-1] * usage.completion_tokens)[:usage.completion_tokens] if answer else []
         return Outcome(tokens, dt, ttft=ttft if ttft is not None else dt)
 

@@ -329,12 +329,11 @@ class GraphBuilder:
         Per row, never per tensor (DynamicQuantizeLinear): a per-tensor scale would tie a row's
         result to the other rows of the call, and greedy speculation would stop being exact.
         Quantized once per activation: the q/k/v (or gate/up) projections of one input share it.
-        ``round(x / scale) + 128`` as one ``QuantizeLinear`` whose block is the whole row (opset
-        21; the zero points, one per row, made once per graph from the first scales' shape) in
-        the fused op set (``rows`` names the row layout whose zero points are shared), as ``Div``,
-        ``Round``, ``Add``, ``Cast`` in the portable one: the same
-        bits (division, round half to even), 3 nodes fewer per activation (~340 on a 28-layer
-        model, whose per-node overhead a one-token call pays).
+        ``round(x / scale) + 128`` is one ``QuantizeLinear`` whose block is the whole row (opset
+        21) in the fused op set, its zero points (one per row) made once per row layout
+        (``rows``: activations sharing one ``[B, S, 1]`` shape of scales), and ``Div``, ``Round``,
+        ``Add``, ``Cast`` in the portable one: the same bits (division, round half to even), 3
+        nodes fewer per activation (~340 on a 28-layer model; a one-token call pays per node).
         """
         if x in self._act_q:
             return self._act_q[x]

@@ -6,8 +6,8 @@ the int4 kernel and verifies 8 rows for little more than one, while int4 reads f
 one-token step; on AVX2 without VNNI int4's one-row kernel may even need padded calls to stay
 exact. So the choice is measured, not guessed: one layer-sized projection (``PROBE_K`` x
 ``PROBE_N``) quantized both ways, built with the same ops as the exporter's graphs
-(``MatMulNBits`` at accuracy level 4 for int4; per-row int8 activations times 7-bit per-channel
-weights in ``MatMulIntegerToFloat`` for W8A8), timed at 1, 8 and 256 rows on this machine's
+(``MatMulNBits`` at accuracy level 4 for int4; per-row uint8 activations times 7-bit per-channel
+weights in ``MatMulIntegerToFloat`` for W8A8), timed at 1, 2, 8 and 256 rows on this machine's
 cores, with int4's one-row exactness checked as the runtime's load-time probe checks it (a row
 alone must give the bits it gives among others; where it does not, a one-token step is a padded
 two-row call).
@@ -15,8 +15,8 @@ two-row call).
 The estimate prices two typical requests in units of that projection's time: a chat turn (100
 prompt tokens, 256 generated one per step: speculation rarely pays there) and a grounded one
 (700 prompt tokens, 256 generated at 3 tokens per 8-row verify, as suffix drafting copies from
-the prompt), and picks the scheme with the smaller sum. ``specdec-export`` prints it as one line and keeps
-the figures in its JSON summary (``quantize_choice``).
+the prompt), and picks the scheme with the smaller sum. ``specdec-export`` prints it as one
+line and keeps the figures in its JSON summary (``quantize_choice``).
 """
 from __future__ import annotations
 
