@@ -160,11 +160,25 @@ class SuffixGoodput:
 
     def length(self, probs: list[float], width: int) -> int:
         """Where a proposal with acceptance estimates ``probs`` is best cut (0: not at all)."""
+        return self.batch_length([probs], width)
+
+    def batch_length(self, rows: list[list[float]], width: int) -> int:
+        """One cut L for a step's proposals (acceptance estimates per row): a verify call costs
+        what its longest row makes it for every row of the batch, so L maximises the batch's
+        expected tokens, each row's up to min(L, its length), over the step time at K = L
+        (cut per row, one sure match widened the call for all eight rows of a batch)."""
         s, step_time = self.calibration, self.policy.step_time
-        best_len, best, tokens = 0, 1.0 / step_time(0, width), 1.0
-        for n, p in enumerate(probs, 1):
-            tokens += s * p
-            rate = tokens / step_time(n, width)
+        longest = max((len(p) for p in rows), default=0)
+        gains = np.zeros(longest + 1)  # expected accepted tokens of the whole step, cut at L
+        for p in rows:
+            if p:
+                cum = np.cumsum(p)
+                gains[1:len(p) + 1] += cum
+                gains[len(p) + 1:] += cum[-1]
+        base = float(width)  # every row's own token, drafted or not
+        best_len, best = 0, base / step_time(0, width)
+        for n in range(1, longest + 1):
+            rate = (base + s * gains[n]) / step_time(n, width)
             if rate > best:
                 best_len, best = n, rate
         return best_len
@@ -253,10 +267,11 @@ class SuffixDrafter:
     def propose(self, rows: list[Row], ks: list[int]) -> list[tuple[list[int], np.ndarray | None]]:
         t0 = time.perf_counter()
         self.last = [self.proposal(row, k) for row, k in zip(rows, ks)]
-        for row, p in zip(rows, self.last):
-            if p.tokens and self.goodput is not None:
-                n = self.goodput.length(p.probs, len(rows))
+        if self.goodput is not None:  # one cut for the step: its verify is as wide as its longest row
+            n = self.goodput.batch_length([p.probs for p in self.last], len(rows))
+            for p in self.last:
                 p.tokens, p.probs = p.tokens[:n], p.probs[:n]
+        for row, p in zip(rows, self.last):
             if p.tokens:
                 self.proposals[p.source] += 1
             self._last[row.seq] = p
