@@ -208,14 +208,5 @@ def test_sampled_tokens_follow_target_distribution_on_a_second_pair(second_pair,
 
     gen2 = specdec_rt.load(second_pair["bundle"], threads=1)
     joint = exact_joint(second_pair["target"], cfg["temperature"], cfg["top_k"], cfg["top_p"])
-    counts = np.zeros_like(joint)
-    rejected = proposed = 0
-    for seed in range(N_RUNS):
-        out = gen2.generate_ids(PROMPT, max_new_tokens=4, seed=seed, ignore_eos=True,
-                                temperature=cfg["temperature"], top_k=cfg["top_k"], top_p=cfg["top_p"],
-                                drafter=cfg["drafter"], num_draft_tokens=cfg["num_draft_tokens"],
-                                speculation=cfg.get("speculation", "chain"))
-        counts[out[0], out[1], out[2]] += 1
-        proposed += gen2.last_stats.proposed
-        rejected += gen2.last_stats.proposed - gen2.last_stats.accepted
+    counts, proposed, rejected = sampled_counts(gen2, joint.shape, **{"speculation": "chain", **cfg})
     assert_follows_joint(counts, joint, proposed, rejected)

@@ -18,7 +18,6 @@ are compared as text; token counts are the server's ``usage``.
 """
 from __future__ import annotations
 
-import json
 import resource
 import time
 from collections import defaultdict
@@ -26,7 +25,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from specdec_rt.bench.common import OURS_BASE, Outcome, Question, System
+from specdec_rt.bench.common import OURS_BASE, Outcome, Question, System, load_workload
 from specdec_rt.errors import GenerationInputError
 
 
@@ -65,21 +64,10 @@ class AgentConfig:
 
 
 def load_sessions(path: str, limit: int | None = None) -> list[AgentSession]:
-    p = Path(path or shipped_workload())
-    if not p.is_file():
-        raise GenerationInputError(f"agent workload not found: {p} (JSONL of session, system, task, results)")
-    out = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            d = json.loads(line)
-            out.append(AgentSession(str(d["session"]), str(d["system"]), str(d["task"]),
-                                    [str(r) for r in d["results"]]))
-        except (ValueError, KeyError, TypeError):
-            raise GenerationInputError(f"{p}:{n}: not an agent session (needs session, system, task, results)") from None
-    if not out:
-        raise GenerationInputError(f"{p}: no sessions")
+    def build(d: dict) -> AgentSession:
+        return AgentSession(str(d["session"]), str(d["system"]), str(d["task"]), [str(r) for r in d["results"]])
+
+    out = load_workload(Path(path or shipped_workload()), build, "agent", "session, system, task, results")
     return out[:limit] if limit else out
 
 

@@ -6,10 +6,17 @@ them import this module, which imports none of them.
 """
 from __future__ import annotations
 
+import json
 import os
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
+
+from specdec_rt.errors import GenerationInputError
+
+T = TypeVar("T")
 
 # our target-only runs: the exactness reference, and the other baselines speedups may be over (the
 # fastest of them): the one-row kernel where exactness pads one-row calls (int4 on x86), and the
@@ -66,3 +73,25 @@ class System:
 
     def run(self, question: Question, ids: list[int], text: str, n: int) -> Outcome:
         raise NotImplementedError
+
+
+def load_workload(path: Path, build: Callable[[dict], T], kind: str, fields: str) -> list[T]:
+    """The records of a workload JSONL, one ``build(record)`` per non-blank line; a missing file,
+    a line that is not JSON or lacks a field (``build`` raising KeyError, TypeError or ValueError),
+    a record ``build`` refuses (GenerationInputError) and an empty file are errors naming the file
+    and line (``kind``: what a record is; ``fields``: what it needs)."""
+    if not path.is_file():
+        raise GenerationInputError(f"{kind} workload not found: {path} (JSONL of {fields})")
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(build(json.loads(line)))
+        except GenerationInputError as exc:  # ``build``'s own verdict on a well-formed record
+            raise GenerationInputError(f"{path}:{n}: {exc}") from None
+        except (ValueError, KeyError, TypeError):
+            raise GenerationInputError(f"{path}:{n}: not an {kind} session (needs {fields})") from None
+    if not out:
+        raise GenerationInputError(f"{path}: no sessions")
+    return out

@@ -15,7 +15,6 @@ Reported per turn index and overall, as ``--suite spec-bench`` reports per categ
 """
 from __future__ import annotations
 
-import json
 import resource
 import time
 from collections import defaultdict
@@ -23,7 +22,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from specdec_rt.bench.common import OURS_BASE, Outcome, Question, System
+from specdec_rt.bench.common import OURS_BASE, Outcome, Question, System, load_workload
 from specdec_rt.errors import GenerationInputError
 from specdec_rt.runtime.drafters.names import NEEDS_DRAFT_MODEL
 
@@ -64,22 +63,13 @@ class EditsConfig:
 
 
 def load_sessions(path: str, limit: int | None = None) -> list[EditSession]:
-    p = Path(path or shipped_workload())
-    if not p.is_file():
-        raise GenerationInputError(f"edit workload not found: {p} (JSONL of session, path, file, edits)")
-    out = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            d = json.loads(line)
-            out.append(EditSession(str(d["session"]), str(d["path"]), str(d["file"]), [str(e) for e in d["edits"]]))
-        except (ValueError, KeyError, TypeError):
-            raise GenerationInputError(f"{p}:{n}: not an edit session (needs session, path, file, edits)") from None
-        if not out[-1].edits:
-            raise GenerationInputError(f"{p}:{n}: session {out[-1].name!r} has no edits")
-    if not out:
-        raise GenerationInputError(f"{p}: no sessions")
+    def build(d: dict) -> EditSession:
+        session = EditSession(str(d["session"]), str(d["path"]), str(d["file"]), [str(e) for e in d["edits"]])
+        if not session.edits:
+            raise GenerationInputError(f"session {session.name!r} has no edits")
+        return session
+
+    out = load_workload(Path(path or shipped_workload()), build, "edit", "session, path, file, edits")
     return out[:limit] if limit else out
 
 
